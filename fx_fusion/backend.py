@@ -1,0 +1,50 @@
+"""The `fx_fusion` torch.compile backend: Inductor with FusedKVPass installed.
+
+    torch.compile(model, backend="fx_fusion")
+    torch.compile(model, backend="fx_fusion", options={"min_layers": 1, "freezing": True})
+    torch.compile(model, backend="fx_fusion", mode="reduce-overhead")
+
+Options of the pass: `min_layers` (default 2), `disable` (compile without the pass). Every other option
+is an Inductor config option, passed through as `torch.compile(options=...)` would. With Inductor
+freezing on, the pass runs on the joint graph, before freezing folds and merges the projection weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch._dynamo import list_backends, register_backend
+
+from .fused_kv_pass import FusedKVPass
+
+PASS_OPTIONS = ("min_layers", "disable")
+
+
+def fx_fusion_backend(
+    gm: torch.fx.GraphModule,
+    example_inputs: list,
+    options: Optional[dict[str, Any]] = None,
+    mode: Optional[str] = None,
+):
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    inductor_options = dict(list_mode_options(mode)) if mode else {}
+    inductor_options.update(options or {})
+    min_layers = inductor_options.pop("min_layers", 2)
+    disable = inductor_options.pop("disable", False)
+    kv_pass = FusedKVPass(min_layers=min_layers, enabled=not disable)
+    freezing = inductor_options.get("freezing", torch._inductor.config.freezing)
+    slot = "joint_custom_post_pass" if freezing and not torch.is_grad_enabled() else "post_grad_custom_post_pass"
+    if inductor_options.get(slot) is not None:
+        raise ValueError(f"fx_fusion installs its own {slot}; remove it from options")
+    inductor_options[slot] = kv_pass
+    return compile_fx(gm, example_inputs, config_patches=inductor_options)
+
+
+# An installed package also declares the backend through the `torch_dynamo_backends` entry point, which
+# dynamo registers itself when it looks the name up; register here only where no entry point exists
+# (a source checkout on PYTHONPATH), since registering one name twice is an error.
+if "fx_fusion" not in list_backends(exclude_tags=()):
+    register_backend(name="fx_fusion", compiler_fn=fx_fusion_backend)

@@ -1,0 +1,93 @@
+"""What the fused K/V pass did in one compile: groups it fused and candidates it left alone, with why."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from typing import Optional
+
+import torch.fx
+
+logger = logging.getLogger("fx_fusion")
+
+
+def node_location(node: torch.fx.Node) -> str:
+    """Where a graph node came from in the user's code: module path and source line when known."""
+    module_path = ""
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        module_path = list(stack.values())[-1][0]
+        module_path = re.sub(r"^L\['[^']*'\]\.?", "", module_path) or "self"
+    line = ""
+    trace = node.meta.get("stack_trace")
+    if trace:
+        frames = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File ")]
+        if frames:
+            line = frames[-1].replace("File ", "", 1)
+    text = " ".join(part for part in (module_path, f"({line})" if line else "") if part)
+    return text or node.name
+
+
+@dataclasses.dataclass
+class FusedGroup:
+    """One group of layers rewritten into a stacked GEMM plus one fused materialization op."""
+
+    n_layers: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    rotary_style: str  # "neox" or "interleaved"
+    k_norm: bool
+    bias: bool
+    v_as_view: int  # how many V projections now read a view of the stacked GEMM output
+    layers: list[str]  # source location of each absorbed layer's K projection
+
+    def describe(self) -> str:
+        return (
+            f"{self.n_layers} layers, {self.num_kv_heads} KV heads x {self.head_dim}, rotary {self.rotary_dim} "
+            f"{self.rotary_style}, {'k_norm' if self.k_norm else 'no k_norm'}, {'bias' if self.bias else 'no bias'}"
+        )
+
+
+@dataclasses.dataclass
+class Rejection:
+    """A candidate the pass left alone, and a reason a user can act on."""
+
+    reason: str
+    location: str
+
+
+@dataclasses.dataclass
+class PassRecord:
+    """Everything one run of the pass over one graph decided."""
+
+    fused_groups: list[FusedGroup] = dataclasses.field(default_factory=list)
+    rejected: list[Rejection] = dataclasses.field(default_factory=list)
+    graph_before: str = ""
+    graph_after: str = ""
+    stage: str = "post_grad"
+
+    def summary(self) -> str:
+        fused = sum(g.n_layers for g in self.fused_groups)
+        text = (
+            f"fx_fusion: fused {len(self.fused_groups)} K/V group(s) ({fused} layers), "
+            f"left {len(self.rejected)} candidate(s) alone"
+        )
+        if self.rejected:
+            text += ": " + "; ".join(f"{r.location}: {r.reason}" for r in self.rejected[:3])
+            if len(self.rejected) > 3:
+                text += f"; ... (+{len(self.rejected) - 3} more)"
+        return text
+
+
+class RecordSink:
+    """Collects PassRecords while active (used by `fx_fusion.explain`)."""
+
+    _active: Optional[list[PassRecord]] = None
+
+    @classmethod
+    def emit(cls, record: PassRecord) -> None:
+        logger.info(record.summary())
+        if cls._active is not None:
+            cls._active.append(record)

@@ -1,0 +1,336 @@
+"""FusedKVPass: rewrite per-layer K/V context materialization into one stacked GEMM + one fused op.
+
+Matches (post-grad ATen graph, or the joint graph before freezing): L >= min_layers K branches that read
+the same hidden states x, each
+
+    k_l = linear(x, Wk_l[, bk_l])  (or the K columns of a fused kv/qkv linear)
+          -> heads [..., H, D] -> [per-head RMSNorm(w_l, eps)] -> any permute -> RoPE(cos, sin)
+
+with H, D, rotary dim, rotary style, norm presence, eps and cos/sin identical across the group, plus the
+other linears on x with the same output width (the V projections). It replaces them with
+
+    proj  = fx_fusion.stacked_linear(x2d, [Wk_0..Wk_L-1, Wv_0..], [biases])    # one GEMM
+    k_all = fx_fusion.materialize_k(proj columns as [N, L, H*D], norm weights, eps, cos, sin)
+    k_l   = k_all[l] re-laid out exactly as the original branch laid out its K
+    v_l   = a view of proj's columns (nothing to compute)
+
+Why it is safe: every piece of a branch is matched exactly (see kv_patterns); the layout ops of the
+original branch are replayed on the fused output, so every consumer sees the same shape, dtype and
+element order; weights are stacked once, by re-homing the parameters onto the stacked buffer (see
+kernels/stacked_params), so in-place weight updates stay visible and nothing is copied per call; any
+branch that differs is left alone and reported.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Optional
+
+import torch
+import torch.fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.pattern_matcher import stable_topological_sort
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+import fx_fusion.kernels.ops  # noqa: F401  (registers fx_fusion::materialize_*)
+import fx_fusion.kernels.stacked_linear  # noqa: F401  (registers fx_fusion::stacked_linear)
+
+from . import kv_patterns
+from .diagnostics import FusedGroup, PassRecord, RecordSink, Rejection, node_location
+from .kv_patterns import KBranch, NoMatch, Projection, is_call, static_shape, val
+
+logger = logging.getLogger("fx_fusion")
+aten = torch.ops.aten
+
+
+class FusedKVPass(CustomGraphPass):
+    """Inductor custom graph pass; use as `post_grad_custom_post_pass` (or via backend="fx_fusion")."""
+
+    def __init__(self, min_layers: int = 2, enabled: bool = True):
+        if min_layers < 1:
+            raise ValueError(f"min_layers must be >= 1, got {min_layers}")
+        self.min_layers = min_layers
+        self.enabled = enabled
+        self.records: list[PassRecord] = []
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if not self.enabled:
+            return
+        record = fuse_kv_groups(graph, self.min_layers)
+        self.records.append(record)
+        RecordSink.emit(record)
+
+    def uuid(self) -> bytes:
+        files = (__file__, kv_patterns.__file__, fx_fusion.kernels.ops.__file__)
+        return get_hash_for_files(files, extra=f"min_layers={self.min_layers},enabled={self.enabled}")
+
+
+class _GraphBuilder:
+    """Adds nodes at one insertion point, giving each a fake value (Inductor lowers from meta['val'])."""
+
+    def __init__(self, graph: torch.fx.Graph, fake_mode: Optional[FakeTensorMode]):
+        self.graph = graph
+        self.fake_mode = fake_mode
+        self.created: list[torch.fx.Node] = []
+
+    def call(self, target, *args, **kwargs) -> torch.fx.Node:
+        node = self.graph.call_function(target, args, kwargs)
+        if self.fake_mode is not None:
+            fake_args, fake_kwargs = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+            with self.fake_mode:
+                node.meta["val"] = target(*fake_args, **fake_kwargs)
+        self.created.append(node)
+        return node
+
+    def replay(self, nodes: list[torch.fx.Node], start: torch.fx.Node) -> torch.fx.Node:
+        value = start
+        for node in nodes:
+            value = self.call(node.target, value, *node.args[1:], **node.kwargs)
+        return value
+
+
+def _fake_mode(graph: torch.fx.Graph) -> Optional[FakeTensorMode]:
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode([n.meta.get("val") for n in graph.nodes if n.op == "placeholder"])
+
+
+def _group_key(branch: KBranch) -> tuple:
+    """What layers must share to be fused together, as (field name, value) pairs."""
+    norm, rotary, proj = branch.norm, branch.rotary, branch.projection
+    eps = None
+    if norm is not None:
+        eps = norm.eps if isinstance(norm.eps, float) else "tensor"
+    return (
+        ("input", kv_patterns.base_of(proj.x2d)),
+        ("input shape", str(val(proj.x2d).shape)),
+        ("dtype", val(proj.node).dtype),
+        ("num_kv_heads", branch.heads.num_heads),
+        ("head_dim", branch.heads.head_dim),
+        ("rotary_dim", rotary.rotary_dim),
+        ("rotary style", "interleaved" if rotary.interleaved else "neox"),
+        ("cos", kv_patterns.base_of(rotary.cos)),
+        ("sin", kv_patterns.base_of(rotary.sin)),
+        ("cos/sin shape", str(val(rotary.cos).shape)),
+        ("k_norm", norm is not None),
+        ("eps", eps),
+        ("bias", proj.bias is not None),
+        ("projection width", proj.out_features),
+        ("K column in projection", branch.col_start),
+    )
+
+
+def _describe_difference(key: tuple, group_key: tuple) -> str:
+    fields = [name for (name, a), (_, b) in zip(key, group_key) if a is not b and a != b]
+    return "differs from the fused group in " + ", ".join(fields)
+
+
+def _find_candidates(graph: torch.fx.Graph, record: PassRecord):
+    """Projections grouped by their input, K branches found on them, and rejected K-like branches."""
+    by_input: dict = collections.defaultdict(lambda: {"projections": [], "branches": []})
+    for node in graph.nodes:
+        if not is_call(node, *kv_patterns.PROJECTION_OPS):
+            continue
+        try:
+            projection = kv_patterns.match_projection(node)
+        except NoMatch:
+            continue
+        entry = by_input[(kv_patterns.base_of(projection.x2d), str(val(projection.x2d).shape))]
+        entry["projections"].append(projection)
+        for source, col_start in kv_patterns.branch_sources(projection):
+            try:
+                entry["branches"].append(kv_patterns.match_k_branch(projection, source, col_start))
+            except kv_patterns.NotKBranch:
+                pass
+            except NoMatch as reason:
+                record.rejected.append(Rejection(str(reason), node_location(node)))
+    return by_input.values()
+
+
+def fuse_kv_groups(graph: torch.fx.Graph, min_layers: int = 2) -> PassRecord:
+    record = PassRecord()
+    fake_mode = _fake_mode(graph)
+    for entry in _find_candidates(graph, record):
+        branches: list[KBranch] = entry["branches"]
+        if not branches:
+            continue
+        keyed = collections.defaultdict(list)
+        for branch in branches:
+            keyed[_group_key(branch)].append(branch)
+        ordered = sorted(keyed.items(), key=lambda kv: -len(kv[1]))
+        main_key = ordered[0][0]
+        for key, members in ordered:
+            if key != main_key:
+                for branch in members:
+                    reason = _describe_difference(key, main_key)
+                    record.rejected.append(Rejection(reason, node_location(branch.projection.node)))
+                continue
+            if len(members) < min_layers:
+                for branch in members:
+                    reason = f"only {len(members)} matching layer(s) share this input; min_layers={min_layers}"
+                    record.rejected.append(Rejection(reason, node_location(branch.projection.node)))
+                continue
+            used = {b.projection.node for b in members}
+            width = members[0].features
+            extra = [
+                p
+                for p in entry["projections"]
+                if p.node not in used
+                and p.out_features == width
+                and (p.bias is None) == (members[0].projection.bias is None)
+                and val(p.node).dtype == val(members[0].projection.node).dtype
+                and not p.weight_transposed
+            ]
+            try:
+                group = _rewrite_group(graph, fake_mode, members, extra, record)
+            except NoMatch as reason:
+                for branch in members:
+                    record.rejected.append(Rejection(str(reason), node_location(branch.projection.node)))
+                continue
+            record.fused_groups.append(group)
+    if record.fused_groups:
+        stable_topological_sort(graph)
+        graph.eliminate_dead_code()
+    return record
+
+
+def _per_token_rotary_table(builder: _GraphBuilder, table: torch.fx.Node, branch: KBranch) -> torch.fx.Node:
+    """cos or sin as [tokens, rotary_dim], tokens in projection-row order (a view when possible)."""
+    k_shape = val(branch.rotary.out).shape
+    rank = len(k_shape)
+    shape = list(val(table).shape)
+    node = table
+    for _ in range(rank - len(shape)):
+        node = builder.call(aten.unsqueeze.default, node, 0)
+    shape = [1] * (rank - len(shape)) + shape
+    heads = branch.heads
+    if not statically_known_true(shape[heads.head_axis] == 1):
+        raise NoMatch("cos/sin differ between heads")
+    for axis in heads.token_axes:
+        if not statically_known_true(shape[axis] == k_shape[axis]):
+            raise NoMatch("cos/sin are broadcast across tokens (one row shared by several tokens)")
+    order = heads.token_axes + [heads.head_axis, rank - 1]
+    if order != list(range(rank)):
+        node = builder.call(aten.permute.default, node, order)
+    return builder.call(aten.reshape.default, node, [-1, branch.rotary.rotary_dim])
+
+
+def _insertion_point(graph: torch.fx.Graph, inputs: list[torch.fx.Node]) -> torch.fx.Node:
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    return max(inputs, key=lambda n: position[n])
+
+
+def _depends_on(inputs: list[torch.fx.Node], forbidden: set) -> bool:
+    seen, stack = set(), list(inputs)
+    while stack:
+        node = stack.pop()
+        if node in forbidden:
+            return True
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    return False
+
+
+def _rewrite_group(graph, fake_mode, branches: list[KBranch], extra: list[Projection], record) -> FusedGroup:
+    branches = sorted(branches, key=lambda b: list(graph.nodes).index(b.projection.node))
+    first = branches[0]
+    projections: list[Projection] = []
+    for projection in [b.projection for b in branches] + extra:
+        if projection.node not in {p.node for p in projections}:
+            projections.append(projection)
+    if any(p.weight_transposed for p in projections):
+        raise NoMatch("projection weights were pre-transposed by Inductor freezing; use backend='fx_fusion'")
+    offsets, column = {}, 0
+    for projection in projections:
+        offsets[projection.node] = column
+        column += projection.out_features
+    k_columns = [offsets[b.projection.node] + b.col_start for b in branches]
+    n_layers = len(branches)
+    step = k_columns[1] - k_columns[0] if n_layers > 1 else first.features
+    if any(c != k_columns[0] + i * step for i, c in enumerate(k_columns)) or step < first.features:
+        raise NoMatch("K columns of the stacked projection are not evenly spaced")
+
+    x2d = min((p.x2d for p in projections), key=lambda n: list(graph.nodes).index(n))
+    norm_weights = [b.norm.weight for b in branches] if first.norm else []
+    eps_nodes = [b.norm.eps for b in branches if first.norm and isinstance(b.norm.eps, torch.fx.Node)]
+    inputs = [x2d, first.rotary.cos, first.rotary.sin, *norm_weights, *eps_nodes]
+    inputs += [p.weight for p in projections] + [p.bias for p in projections if p.bias is not None]
+    replaced = {p.node for p in projections} | {b.output for b in branches}
+    if _depends_on([x2d, first.rotary.cos, first.rotary.sin, *eps_nodes], replaced):
+        raise NoMatch("the group's inputs depend on its own outputs")
+    before = _region_text(graph, projections, branches)
+
+    builder = _GraphBuilder(graph, fake_mode)
+    with graph.inserting_after(_insertion_point(graph, inputs)):
+        biases = [p.bias for p in projections] if first.projection.bias is not None else []
+        proj = builder.call(torch.ops.fx_fusion.stacked_linear.default, x2d, [p.weight for p in projections], biases)
+        k_block = builder.call(aten.slice.Tensor, proj, 1, k_columns[0], k_columns[0] + n_layers * step)
+        k_block = builder.call(aten.view.default, k_block, [-1, n_layers, step])
+        k_proj = builder.call(aten.slice.Tensor, k_block, 2, 0, first.features)
+        eps_value, eps_tensor = 0.0, None
+        if first.norm is not None:
+            if eps_nodes:
+                eps32 = [builder.call(torch.ops.prims.convert_element_type.default, e, torch.float32) for e in eps_nodes]
+                eps_tensor = builder.call(aten.cat.default, [builder.call(aten.view.default, e, [1]) for e in eps32])
+            else:
+                eps_value = first.norm.eps
+        cos = _per_token_rotary_table(builder, first.rotary.cos, first)
+        sin = _per_token_rotary_table(builder, first.rotary.sin, first)
+        k_all = builder.call(
+            torch.ops.fx_fusion.materialize_k.default,
+            k_proj,
+            norm_weights,
+            eps_tensor,
+            eps_value,
+            cos,
+            sin,
+            None,
+            first.heads.num_heads,
+            first.heads.head_dim,
+            first.rotary.rotary_dim,
+            first.rotary.interleaved,
+        )
+        new_outputs = []
+        for layer, branch in enumerate(branches):
+            k_layer = builder.call(aten.select.int, k_all, 0, layer)
+            k_layer = builder.call(aten.reshape.default, k_layer, [-1, branch.features])
+            k_layer = builder.replay(branch.layout_before_norm + branch.layout_after_norm, k_layer)
+            new_outputs.append((branch.output, k_layer))
+        pieces = []
+        for projection in projections:
+            start = offsets[projection.node]
+            pieces.append((projection.node, builder.call(aten.slice.Tensor, proj, 1, start, start + projection.out_features)))
+    for old, new in new_outputs + pieces:
+        old.replace_all_uses_with(new)
+    record.graph_before += before
+    record.graph_after += "\n".join(n.format_node() for n in builder.created) + "\n"
+    return FusedGroup(
+        n_layers=n_layers,
+        num_kv_heads=first.heads.num_heads,
+        head_dim=first.heads.head_dim,
+        rotary_dim=first.rotary.rotary_dim,
+        rotary_style="interleaved" if first.rotary.interleaved else "neox",
+        k_norm=first.norm is not None,
+        bias=first.projection.bias is not None,
+        v_as_view=len(projections) - len({b.projection.node for b in branches}),
+        layers=[node_location(b.projection.node) for b in branches],
+    )
+
+
+def _region_text(graph, projections: list[Projection], branches: list[KBranch]) -> str:
+    """The original nodes between the group's projections and its K outputs, in graph order."""
+    ends = [b.output for b in branches] + [p.node for p in projections]
+    starts = {p.node for p in projections}
+    region, stack = set(), list(ends)
+    while stack:
+        node = stack.pop()
+        if node in region or node.op in ("placeholder", "get_attr"):
+            continue
+        region.add(node)
+        if node not in starts:
+            stack.extend(node.all_input_nodes)
+    return "\n".join(n.format_node() for n in graph.nodes if n in region) + "\n"

@@ -1,0 +1,494 @@
+"""Recognise one layer's K/V context branch in a post-grad (or joint) ATen graph.
+
+A K branch is, in graph order:
+
+    source  = mm(x2d, W^T) | addmm(b, x2d, W^T) | a column slice of such a fused kv/qkv projection
+    layout1 = views / reshapes / permutes / transposes / unsqueezes / clones       (to heads)
+    norm    = optional per-head RMSNorm (Hugging Face form, or all float32)
+    layout2 = views / permutes ...                                                 (e.g. transpose(1, 2))
+    rotary  = k*cos + rotate(k)*sin over the first rotary_dim dims of the head dim, neox or interleaved,
+              the remaining dims passed through with cat
+
+Everything is checked exactly (exponent 2, mean over the head dim only, eps inside the rsqrt, the
+weight's shape, slice bounds, dtypes); any difference raises `NoMatch` with a reason a user can act on.
+Which axes carry tokens, heads and the head dim is established by replaying the layout ops on an index
+tensor, so any spelling of the reshapes is accepted as long as it means "split the projection into heads".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Union
+
+import torch
+import torch.fx
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+LAYOUT_OPS = {
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.permute.default,
+    aten.transpose.int,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.clone.default,
+    aten.alias.default,
+}
+PROJECTION_OPS = {aten.mm.default, aten.addmm.default}
+SLICE_END_MAX = 2**63 - 1
+FLOAT32 = torch.float32
+
+
+class NoMatch(Exception):
+    """The branch differs from the fusable pattern; the message says how."""
+
+
+class NotKBranch(NoMatch):
+    """The branch has neither a norm nor a rotary embedding (a V projection, say): nothing to report."""
+
+
+def size_hint(size, fallback: int = 8) -> int:
+    """An example value for a (possibly symbolic) size; `fallback` for unbacked sizes with no example."""
+    if isinstance(size, torch.SymInt):
+        hint = size.node._hint
+        return fallback if hint is None else int(hint)
+    return int(size)
+
+
+def is_call(node, *targets) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def val(node: torch.fx.Node):
+    return node.meta.get("val")
+
+
+def hinted(x) -> Union[int, list, object]:
+    """Replace symbolic sizes (SymInt values or nodes producing them) by their example values."""
+    if isinstance(x, torch.fx.Node):
+        x = val(x)
+    if isinstance(x, torch.SymInt):
+        return size_hint(x)
+    if isinstance(x, (list, tuple)):
+        return type(x)(hinted(e) for e in x)
+    return x
+
+
+def static_shape(node: torch.fx.Node) -> list[int]:
+    return [size_hint(s) for s in val(node).shape]
+
+
+def is_weight_input(node) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op in ("placeholder", "get_attr")
+
+
+@dataclasses.dataclass
+class Projection:
+    """A linear whose output rows are tokens: out = x2d @ weight.T (+ bias)."""
+
+    node: torch.fx.Node  # the mm / addmm
+    x2d: torch.fx.Node
+    weight: torch.fx.Node  # [out_features, hidden] (placeholder or get_attr)
+    weight_transposed: bool  # True when `weight` is stored [hidden, out_features] (folded constant)
+    bias: Optional[torch.fx.Node]
+
+    @property
+    def out_features(self) -> int:
+        return static_shape(self.node)[1]
+
+
+def match_projection(node: torch.fx.Node) -> Projection:
+    if is_call(node, aten.mm.default):
+        bias, x2d, rhs = None, node.args[0], node.args[1]
+    elif is_call(node, aten.addmm.default):
+        bias, x2d, rhs = node.args[0], node.args[1], node.args[2]
+        if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+            raise NoMatch("addmm with alpha/beta scaling")
+        if not is_weight_input(bias) or len(val(bias).shape) != 1:
+            raise NoMatch("projection bias is computed in the graph, not a parameter")
+    else:
+        raise NoMatch("not a linear projection")
+    if is_call(rhs, aten.permute.default) and list(rhs.args[1]) == [1, 0] and is_weight_input(rhs.args[0]):
+        return Projection(node, x2d, rhs.args[0], False, bias)
+    if is_weight_input(rhs) and rhs.op == "get_attr":
+        return Projection(node, x2d, rhs, True, bias)
+    raise NoMatch("projection weight is computed in the graph, not a parameter")
+
+
+def base_of(node: torch.fx.Node) -> torch.fx.Node:
+    """The tensor a chain of layout ops starts from (used to see that branches read the same input)."""
+    while is_call(node, *LAYOUT_OPS):
+        node = node.args[0]
+    return node
+
+
+def follow_layout(node: torch.fx.Node) -> tuple[list[torch.fx.Node], torch.fx.Node]:
+    """Walk forward through single-user layout ops; return them and the last node reached."""
+    chain = []
+    while len(node.users) == 1:
+        (user,) = node.users
+        if not is_call(user, *LAYOUT_OPS) or user.args[0] is not node:
+            break
+        chain.append(user)
+        node = user
+    return chain, node
+
+
+@dataclasses.dataclass
+class RMSNorm:
+    out: torch.fx.Node
+    weight: torch.fx.Node  # [head_dim]
+    eps: Union[float, torch.fx.Node]
+    width: int  # size of the normalised (last) dim
+
+
+def _single_user(node: torch.fx.Node, what: str) -> torch.fx.Node:
+    if len(node.users) != 1:
+        raise NoMatch(f"{what} has {len(node.users)} users, expected 1")
+    return next(iter(node.users))
+
+
+def _other_arg(node: torch.fx.Node, known) -> object:
+    a, b = node.args[:2]
+    if a is known:
+        return b
+    if b is known:
+        return a
+    raise NoMatch(f"{node.name} does not read {known}")
+
+
+def starts_norm(node: torch.fx.Node) -> bool:
+    """Does `node` feed something that looks like a normalisation (so a mismatch is worth reporting)?"""
+    for user in node.users:
+        if is_call(user, prims.convert_element_type.default) and user.args[1] == FLOAT32:
+            return any(starts_norm_op(u) for u in user.users) or starts_norm(user)
+        if starts_norm_op(user):
+            return True
+    return False
+
+
+def starts_norm_op(node) -> bool:
+    return is_call(
+        node,
+        aten.pow.Tensor_Scalar,
+        aten.mean.dim,
+        aten.var_mean.correction,
+        aten.var.correction,
+        aten.sub.Tensor,
+        aten.sum.dim_IntList,
+    ) or (is_call(node, aten.mul.Tensor) and node.args[0] is node.args[1])
+
+
+def match_rms_norm(x: torch.fx.Node) -> RMSNorm:
+    """Match `w * (x.float() * rsqrt(mean(x.float()^2, -1, keepdim) + eps)).to(x.dtype)` starting at x."""
+    in_dtype = val(x).dtype
+    width = static_shape(x)[-1]
+    rank = len(val(x).shape)
+    upcast = x
+    users = list(x.users)
+    if in_dtype != FLOAT32:
+        casts = [u for u in users if is_call(u, prims.convert_element_type.default) and u.args[1] == FLOAT32]
+        if len(users) != 1 or not casts:
+            raise NoMatch("K norm does not upcast its input to float32 first (Hugging Face RMSNorm form)")
+        upcast = casts[0]
+    upcast_users = list(upcast.users)
+    if any(is_call(u, aten.var_mean.correction, aten.var.correction, aten.sub.Tensor) for u in upcast_users):
+        raise NoMatch("K norm subtracts the mean (LayerNorm), not an RMSNorm")
+    squares = [
+        u
+        for u in upcast_users
+        if (is_call(u, aten.pow.Tensor_Scalar) and u.args[0] is upcast)
+        or (is_call(u, aten.mul.Tensor) and u.args[0] is upcast and u.args[1] is upcast)
+    ]
+    if len(squares) != 1 or len(upcast_users) != 2:
+        raise NoMatch("K norm is not x * rsqrt(mean(x^2) + eps)")
+    square = squares[0]
+    if is_call(square, aten.pow.Tensor_Scalar) and square.args[1] != 2:
+        raise NoMatch(f"K norm uses x^{square.args[1]}, not x^2")
+    mean = _single_user(square, "x^2")
+    if is_call(mean, aten.sum.dim_IntList):
+        raise NoMatch("K norm divides a sum instead of taking the mean")
+    if not is_call(mean, aten.mean.dim):
+        raise NoMatch("K norm does not take the mean of x^2")
+    dims = [d % rank for d in mean.args[1]]
+    keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
+    if dims != [rank - 1] or not keepdim:
+        raise NoMatch(f"K norm reduces over dims {list(mean.args[1])}, not the last (head) dim alone")
+    add_eps = _single_user(mean, "mean(x^2)")
+    if not is_call(add_eps, aten.add.Tensor) or add_eps.args[0] is not mean:
+        raise NoMatch("K norm eps is not added to mean(x^2) inside the rsqrt (eps sits elsewhere)")
+    eps = add_eps.args[1]
+    if isinstance(eps, torch.fx.Node):
+        if val(eps) is None or val(eps).dim() != 0:
+            raise NoMatch("K norm eps is not a scalar")
+    elif not isinstance(eps, float):
+        raise NoMatch("K norm eps is not a float")
+    rsqrt = _single_user(add_eps, "mean(x^2) + eps")
+    if not is_call(rsqrt, aten.rsqrt.default):
+        raise NoMatch("K norm applies something other than rsqrt to mean(x^2) + eps (eps sits elsewhere)")
+    scaled = _single_user(rsqrt, "rsqrt")
+    if not is_call(scaled, aten.mul.Tensor) or {id(a) for a in scaled.args[:2]} != {id(upcast), id(rsqrt)}:
+        raise NoMatch("K norm does not multiply x by rsqrt(mean(x^2) + eps)")
+    normed = scaled
+    if upcast is not x:
+        cast_back = _single_user(scaled, "x * rsqrt(...)")
+        if not is_call(cast_back, prims.convert_element_type.default) or cast_back.args[1] != in_dtype:
+            raise NoMatch("K norm applies its weight in float32 before casting back (expected the cast first)")
+        normed = cast_back
+    weighted = _single_user(normed, "normalised K")
+    if not is_call(weighted, aten.mul.Tensor):
+        raise NoMatch("K norm has no elementwise weight after normalising")
+    weight = _other_arg(weighted, normed)
+    if is_call(weight, aten.add.Tensor) or (
+        is_call(weight, prims.convert_element_type.default) and is_call(weight.args[0], aten.add.Tensor)
+    ):
+        raise NoMatch("K norm scales by (1 + weight) (Gemma form), not supported")
+    if not is_weight_input(weight):
+        raise NoMatch("K norm weight is computed in the graph, not a parameter")
+    if static_shape(weight) != [width]:
+        raise NoMatch(f"K norm weight has shape {static_shape(weight)}, expected [{width}]")
+    if val(weighted).dtype != in_dtype:
+        raise NoMatch(f"K norm output is {val(weighted).dtype}, its input {in_dtype}")
+    return RMSNorm(out=weighted, weight=weight, eps=eps, width=width)
+
+
+@dataclasses.dataclass
+class Rotary:
+    out: torch.fx.Node  # full head-dim output (the cat for partial rotary)
+    cos: torch.fx.Node  # broadcastable to the rotated part: [..., rotary_dim]
+    sin: torch.fx.Node
+    rotary_dim: int
+    interleaved: bool
+
+
+def _slice_args(node) -> tuple:
+    args = list(node.args) + [None] * (5 - len(node.args))
+    dim, start, end, step = args[1:5]
+    dim = node.kwargs.get("dim", dim if dim is not None else 0)
+    start = node.kwargs.get("start", start if start is not None else 0)
+    end = node.kwargs.get("end", end if end is not None else SLICE_END_MAX)
+    step = node.kwargs.get("step", step if step is not None else 1)
+    return dim, start, end, step
+
+
+def _last_dim_slice(node, source, rank, width) -> Optional[tuple[int, int, int]]:
+    """(start, end, step) when node = source[..., start:end:step], else None (end clamped to width)."""
+    if not is_call(node, aten.slice.Tensor) or node.args[0] is not source:
+        return None
+    dim, start, end, step = _slice_args(node)
+    if not all(isinstance(v, int) for v in (dim, start, end, step)) or dim % rank != rank - 1:
+        return None
+    return start, min(end, width), step
+
+
+def _rotated(node: torch.fx.Node, k: torch.fx.Node, rank: int, width: int) -> Optional[bool]:
+    """Is node rotate(k)? Returns interleaved=False for neox rotate_half, True for GPT-J pairs, None if neither."""
+    if is_call(node, aten.cat.default) and len(node.args[0]) == 2 and (node.args[1] if len(node.args) > 1 else 0) % rank == rank - 1:
+        negated, kept = node.args[0]
+        if is_call(negated, aten.neg.default):
+            hi = _last_dim_slice(negated.args[0], k, rank, width)
+            lo = _last_dim_slice(kept, k, rank, width)
+            if hi == (width // 2, width, 1) and lo == (0, width // 2, 1) and width % 2 == 0:
+                return False
+    if is_call(node, aten.view.default, aten.reshape.default) and static_shape(node) == static_shape(k):
+        stacked = node.args[0]
+        if is_call(stacked, aten.cat.default) and len(stacked.args[0]) == 2:
+            first, second = stacked.args[0]
+            if is_call(first, aten.unsqueeze.default) and is_call(second, aten.unsqueeze.default):
+                if first.args[1] % (rank + 1) == rank and second.args[1] % (rank + 1) == rank:
+                    negated, kept = first.args[0], second.args[0]
+                    if is_call(negated, aten.neg.default):
+                        odd = _last_dim_slice(negated.args[0], k, rank, width)
+                        even = _last_dim_slice(kept, k, rank, width)
+                        if odd == (1, width, 2) and even == (0, width, 2) and width % 2 == 0:
+                            return True
+    return None
+
+
+def match_rotary(k: torch.fx.Node) -> Rotary:
+    """Match k*cos + rotate(k)*sin over the first rotary_dim dims of k's last dim (rest passed through)."""
+    rank = len(val(k).shape)
+    head_dim = static_shape(k)[-1]
+    rotary = _rotary_on(k, rank)
+    if rotary is not None:
+        return rotary
+    for rotated_part in k.users:
+        bounds = _last_dim_slice(rotated_part, k, rank, head_dim)
+        if not bounds or bounds[0] != 0 or bounds[2] != 1 or bounds[1] >= head_dim:
+            continue
+        rotary = _rotary_on(rotated_part, rank)
+        if rotary is None:
+            continue
+        passed = [u for u in k.users if _last_dim_slice(u, k, rank, head_dim) == (bounds[1], head_dim, 1)]
+        if not passed:
+            raise NoMatch("partial rotary without the pass-through part of the head")
+        cat = _single_user(rotary.out, "rotary output")
+        if not (
+            is_call(cat, aten.cat.default)
+            and list(cat.args[0]) == [rotary.out, passed[0]]
+            and (cat.args[1] if len(cat.args) > 1 else 0) % rank == rank - 1
+        ):
+            raise NoMatch("partial rotary output is not cat([rotated, passed], -1)")
+        return dataclasses.replace(rotary, out=cat)
+    raise NoMatch("no rotary embedding (k*cos + rotate_half(k)*sin) on K")
+
+
+def _rotary_on(rotated_part: torch.fx.Node, rank: int) -> Optional[Rotary]:
+    """rotated_part*cos + rotate(rotated_part)*sin, rotating all of rotated_part's last dim, or None."""
+    rotary_dim = static_shape(rotated_part)[-1]
+    for cos_mul in rotated_part.users:
+        if not is_call(cos_mul, aten.mul.Tensor) or rotated_part not in cos_mul.args[:2]:
+            continue
+        cos = _other_arg(cos_mul, rotated_part)
+        if not isinstance(cos, torch.fx.Node) or len(cos_mul.users) != 1:
+            continue
+        add = next(iter(cos_mul.users))
+        if not is_call(add, aten.add.Tensor) or len(add.args) != 2 or add.kwargs.get("alpha", 1) != 1:
+            continue
+        sin_mul = _other_arg(add, cos_mul)
+        if not is_call(sin_mul, aten.mul.Tensor):
+            continue
+        for rot, sin in ((sin_mul.args[0], sin_mul.args[1]), (sin_mul.args[1], sin_mul.args[0])):
+            if not isinstance(rot, torch.fx.Node) or not isinstance(sin, torch.fx.Node):
+                continue
+            interleaved = _rotated(rot, rotated_part, rank, rotary_dim)
+            if interleaved is not None:
+                return Rotary(out=add, cos=cos, sin=sin, rotary_dim=rotary_dim, interleaved=interleaved)
+    return None
+
+
+@dataclasses.dataclass
+class HeadLayout:
+    """How a branch tensor's axes relate to the projection: out[...] = proj[token, head*D + d]."""
+
+    num_heads: int
+    head_dim: int
+    head_axis: int
+    token_axes: list[int]  # axes of the tensor carrying tokens, outermost first
+
+
+def replay(nodes: list[torch.fx.Node], start: torch.Tensor) -> torch.Tensor:
+    """Apply the layout ops `nodes` (a forward chain) to a real tensor."""
+    value = start
+    for node in nodes:
+        value = node.target(value, *hinted(list(node.args[1:])), **hinted(dict(node.kwargs)))
+    return value
+
+
+def head_layout(index: torch.Tensor, row_width: int, col_start: int, features: int, head_dim: int) -> HeadLayout:
+    """Read tokens/heads/head-dim axes off an index tensor (flat positions into the projection output).
+
+    Raises NoMatch unless the tensor's last axis is exactly one head's `head_dim` features and one other
+    axis enumerates the heads.
+    """
+    tokens = torch.div(index, row_width, rounding_mode="floor")
+    feature = index % row_width - col_start
+    last = index.shape[-1]
+    if last != head_dim or features % head_dim:
+        raise NoMatch(f"normalised/rotated over {last} features, not per head ({head_dim})")
+    if (feature < 0).any() or (feature >= features).any():
+        raise NoMatch("K branch reads outside its projection columns")
+    if not bool((feature % head_dim == torch.arange(head_dim)).all()):
+        raise NoMatch(f"last dim is not one head's {head_dim} consecutive features")
+    heads = torch.div(feature, head_dim, rounding_mode="floor")
+    num_heads = features // head_dim
+    rank = index.dim()
+
+    def step(t: torch.Tensor, axis: int) -> int:
+        if t.shape[axis] < 2:
+            return 0
+        return int(t.narrow(axis, 1, 1).flatten()[0] - t.narrow(axis, 0, 1).flatten()[0])
+
+    head_axes = [a for a in range(rank - 1) if step(heads, a) != 0]
+    if len(head_axes) != 1 or index.shape[head_axes[0]] != num_heads or step(heads, head_axes[0]) != 1:
+        if num_heads == 1 and not head_axes:
+            ones = [a for a in range(rank - 1) if index.shape[a] == 1 and step(tokens, a) == 0]
+            if not ones:
+                raise NoMatch("single-head K branch has no head axis")
+            head_axes = [ones[-1]]
+        else:
+            raise NoMatch("K heads are not laid out along one axis")
+    head_axis = head_axes[0]
+    token_axes = [a for a in range(rank - 1) if a != head_axis]
+    token_axes.sort(key=lambda a: -step(tokens, a))
+    expected = torch.zeros_like(tokens)
+    stride = 1
+    for axis in reversed(token_axes):
+        shape = [1] * rank
+        shape[axis] = index.shape[axis]
+        expected = expected + torch.arange(index.shape[axis]).view(shape) * stride
+        stride *= index.shape[axis]
+    if not bool((tokens == expected).all()):
+        raise NoMatch("K tokens are not a plain reshape of the projection rows")
+    return HeadLayout(num_heads, head_dim, head_axis, token_axes)
+
+
+@dataclasses.dataclass
+class KBranch:
+    """One layer's K branch: projection columns -> [norm] -> rotary, and how to rebuild its output."""
+
+    projection: Projection
+    col_start: int  # first column of K inside the projection output
+    source: torch.fx.Node  # node holding [N, kv_size] K (the mm, or the column slice of a fused projection)
+    layout_before_norm: list[torch.fx.Node]
+    layout_after_norm: list[torch.fx.Node]
+    norm: Optional[RMSNorm]
+    rotary: Rotary
+    heads: HeadLayout
+
+    @property
+    def features(self) -> int:
+        return self.heads.num_heads * self.heads.head_dim
+
+    @property
+    def output(self) -> torch.fx.Node:
+        return self.rotary.out
+
+
+def match_k_branch(projection: Projection, source: torch.fx.Node, col_start: int) -> KBranch:
+    """Match source -> layout -> [RMSNorm] -> layout -> rotary. Raises NoMatch with a reason."""
+    features = static_shape(source)[-1]
+    layout_before, node = follow_layout(source)
+    norm = None
+    if starts_norm(node):
+        norm = match_rms_norm(node)
+        layout_after, node = follow_layout(norm.out)
+        rotary = match_rotary(node)
+    else:
+        layout_after = []
+        try:
+            rotary = match_rotary(node)
+        except NoMatch as reason:
+            if any(is_call(u, aten.mul.Tensor, aten.slice.Tensor) for u in node.users):
+                raise
+            raise NotKBranch(str(reason)) from None
+    if val(rotary.out).dtype != val(projection.node).dtype:
+        raise NoMatch(f"K output is {val(rotary.out).dtype}, the projection {val(projection.node).dtype}")
+    rows, row_width = static_shape(projection.node)
+    index = torch.arange(rows * row_width, dtype=torch.int64).view(rows, row_width)
+    index = index[:, col_start : col_start + features]
+    head_dim = static_shape(node)[-1]
+    at_norm = replay(layout_before, index)
+    if norm is not None:
+        if at_norm.shape[-1] == features and features != head_dim:
+            raise NoMatch(f"RMSNorm over the whole projection ({features} features), not per head ({head_dim})")
+        head_layout(at_norm, row_width, col_start, features, head_dim)
+    at_rotary = replay(layout_after, at_norm)
+    heads = head_layout(at_rotary, row_width, col_start, features, head_dim)
+    return KBranch(projection, col_start, source, layout_before, layout_after, norm, rotary, heads)
+
+
+def branch_sources(projection: Projection) -> list[tuple[torch.fx.Node, int]]:
+    """(node, first column) for each consumer of a projection: the mm itself, or its column slices."""
+    node = projection.node
+    width = projection.out_features
+    slices = []
+    for user in node.users:
+        bounds = _last_dim_slice(user, node, 2, width)
+        if bounds is None or bounds[2] != 1:
+            return [(node, 0)]
+        slices.append((user, bounds[0]))
+    return slices or [(node, 0)]

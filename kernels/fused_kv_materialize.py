@@ -1,0 +1,370 @@
+"""Stacked K/V materialization for multi-layer drafts: per-head RMSNorm + RoPE on K, copy of V.
+
+After one stacked GEMM over the K/V projection weights of `n_layers` layers, the projections of every
+layer sit side by side:
+
+    k_proj: [total_ctx, n_layers, num_kv_heads * head_dim]   (any strides, e.g. kv[..., :kv_size])
+    v_proj: [total_ctx, n_layers, num_kv_heads * head_dim]   (any strides, e.g. kv[..., kv_size:])
+
+and the attention cache wants, per layer, head-major tensors:
+
+    k_out, v_out: [n_layers, total_ctx, num_kv_heads, head_dim]   (kv's dtype; any strides)
+
+For every layer l, token t and head h, with k = k_proj[t, l, h*D:(h+1)*D] in float32:
+
+    n = round(round(k * rsqrt(mean(k^2) + eps[l])) * weight[l])     (skipped without a K norm)
+    k_out[l, t, h, i] = round(n[i] * c[i] + sign(i) * n[partner(i)] * s[i])    for i < rotary_dim
+    k_out[l, t, h, i] = n[i]                                                    for i >= rotary_dim
+    v_out[l, t, h, :] = v_proj[t, l, h*D:(h+1)*D]
+
+where round() rounds to the output dtype (it reproduces Hugging Face's `weight * hidden.to(input_dtype)`)
+and, with r = rotary_dim,
+
+    neox ("rotate half"):  partner(i) = i + r/2, sign -1 for i < r/2;  partner(i) = i - r/2, sign +1 after
+    interleaved (GPT-J):   partner(i) = i ^ 1, sign -1 for even i.
+
+The cos/sin come either per token, `cos[t, i]`, `sin[t, i]` (`cos`, `sin`: [total_ctx, rotary_dim], Hugging
+Face layout), or from a cache indexed by `positions[t]` (`cos_sin_cache`: [max_pos, rotary_dim], cos in the
+first half, sin in the second; frequency j = i % (r/2) for neox and i // 2 for interleaved). Positions are
+clamped into [0, max_pos - 1], so the kernel never reads outside the cache.
+
+This module holds the Triton kernel, its launcher and a plain-PyTorch implementation of the same math
+(used for CPU tensors). Both write into caller-provided outputs and allocate nothing else; argument
+validation lives in `ops.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+# Rows are (token, head) pairs; the kernel computes row / column indices in int32.
+MAX_ROWS_PER_LAYER = 2**31 - 2**20
+
+
+def _fused_kv_materialize_kernel(
+    k_proj_ptr,
+    v_proj_ptr,
+    k_out_ptr,
+    v_out_ptr,
+    norm_weight_ptr,
+    eps_ptr,
+    cos_ptr,
+    sin_ptr,
+    positions_ptr,
+    num_rows,
+    num_kv_heads,
+    cache_rows,
+    eps_value,
+    stride_k_token,
+    stride_k_layer,
+    stride_k_elem,
+    stride_v_token,
+    stride_v_layer,
+    stride_v_elem,
+    stride_ko_layer,
+    stride_ko_token,
+    stride_ko_head,
+    stride_ko_dim,
+    stride_vo_layer,
+    stride_vo_token,
+    stride_vo_head,
+    stride_vo_dim,
+    stride_weight_layer,
+    stride_weight_dim,
+    stride_eps,
+    stride_cos_row,
+    stride_cos_dim,
+    stride_sin_row,
+    stride_sin_dim,
+    HEAD_DIM: tl.constexpr,
+    ROTARY_DIM: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    PASS_PAD: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    HAS_EPS_TENSOR: tl.constexpr,
+    USE_POSITIONS: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    COPY_V: tl.constexpr,
+):
+    """One program: BLOCK_ROWS consecutive (token, head) rows of one layer.
+
+    Grid: (cdiv(total_ctx * num_kv_heads, BLOCK_ROWS), n_layers). The rotary part of a head is handled as
+    two [BLOCK_ROWS, HALF_PAD] tiles `a` and `b` holding each element and its RoPE partner (neox: the two
+    halves; interleaved: even and odd dims), so every input element is loaded exactly once; the dims past
+    rotary_dim form a third, pass-through tile of PASS_PAD columns (PASS_PAD = 0: none).
+    """
+    HALF: tl.constexpr = ROTARY_DIM // 2
+    out_dtype = k_out_ptr.dtype.element_ty
+    layer = tl.program_id(1).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < num_rows
+    tokens = (rows // num_kv_heads).to(tl.int64)
+    heads = (rows % num_kv_heads).to(tl.int64)
+    k_rows = tokens * stride_k_token + layer * stride_k_layer + heads * (HEAD_DIM * stride_k_elem)
+    k_out_rows = layer * stride_ko_layer + tokens * stride_ko_token + heads * stride_ko_head
+
+    freq = tl.arange(0, HALF_PAD)
+    freq_mask = freq < HALF
+    rot_mask = row_mask[:, None] & freq_mask[None, :]
+    if INTERLEAVED:
+        dims_a = 2 * freq
+        dims_b = 2 * freq + 1
+    else:
+        dims_a = freq
+        dims_b = freq + HALF
+    x_a = tl.load(k_proj_ptr + k_rows[:, None] + dims_a[None, :] * stride_k_elem, mask=rot_mask, other=0.0)
+    x_b = tl.load(k_proj_ptr + k_rows[:, None] + dims_b[None, :] * stride_k_elem, mask=rot_mask, other=0.0)
+    x_a = x_a.to(tl.float32)
+    x_b = x_b.to(tl.float32)
+    if PASS_PAD > 0:
+        dims_p = ROTARY_DIM + tl.arange(0, PASS_PAD)
+        pass_dim_mask = dims_p < HEAD_DIM
+        pass_mask = row_mask[:, None] & pass_dim_mask[None, :]
+        x_p = tl.load(k_proj_ptr + k_rows[:, None] + dims_p[None, :] * stride_k_elem, mask=pass_mask, other=0.0)
+        x_p = x_p.to(tl.float32)
+
+    if HAS_NORM:
+        sum_sq = tl.sum(x_a * x_a, axis=1) + tl.sum(x_b * x_b, axis=1)
+        if PASS_PAD > 0:
+            sum_sq += tl.sum(x_p * x_p, axis=1)
+        if HAS_EPS_TENSOR:
+            eps = tl.load(eps_ptr + layer * stride_eps).to(tl.float32)
+        else:
+            eps = eps_value
+        inv_rms = tl.rsqrt(sum_sq / HEAD_DIM + eps)[:, None]
+        weight_row = norm_weight_ptr + layer * stride_weight_layer
+        w_a = tl.load(weight_row + dims_a * stride_weight_dim, mask=freq_mask, other=0.0).to(tl.float32)
+        w_b = tl.load(weight_row + dims_b * stride_weight_dim, mask=freq_mask, other=0.0).to(tl.float32)
+        # round(round(x * inv_rms) * w): the two roundings of `weight * hidden.to(input_dtype)`.
+        x_a = ((x_a * inv_rms).to(out_dtype).to(tl.float32) * w_a[None, :]).to(out_dtype).to(tl.float32)
+        x_b = ((x_b * inv_rms).to(out_dtype).to(tl.float32) * w_b[None, :]).to(out_dtype).to(tl.float32)
+        if PASS_PAD > 0:
+            w_p = tl.load(weight_row + dims_p * stride_weight_dim, mask=pass_dim_mask, other=0.0).to(tl.float32)
+            x_p = ((x_p * inv_rms).to(out_dtype).to(tl.float32) * w_p[None, :]).to(out_dtype).to(tl.float32)
+
+    if USE_POSITIONS:
+        positions = tl.load(positions_ptr + tokens, mask=row_mask, other=0).to(tl.int64)
+        positions = tl.minimum(tl.maximum(positions, 0), cache_rows - 1)
+        cache_rows_offset = positions[:, None] * stride_cos_row
+        cos_a = tl.load(cos_ptr + cache_rows_offset + freq[None, :] * stride_cos_dim, mask=rot_mask, other=0.0)
+        sin_a = tl.load(cos_ptr + cache_rows_offset + (HALF + freq[None, :]) * stride_cos_dim, mask=rot_mask, other=0.0)
+        cos_a = cos_a.to(tl.float32)
+        sin_a = sin_a.to(tl.float32)
+        cos_b = cos_a
+        sin_b = sin_a
+    else:
+        cos_rows = tokens[:, None] * stride_cos_row
+        sin_rows = tokens[:, None] * stride_sin_row
+        cos_a = tl.load(cos_ptr + cos_rows + dims_a[None, :] * stride_cos_dim, mask=rot_mask, other=0.0).to(tl.float32)
+        cos_b = tl.load(cos_ptr + cos_rows + dims_b[None, :] * stride_cos_dim, mask=rot_mask, other=0.0).to(tl.float32)
+        sin_a = tl.load(sin_ptr + sin_rows + dims_a[None, :] * stride_sin_dim, mask=rot_mask, other=0.0).to(tl.float32)
+        sin_b = tl.load(sin_ptr + sin_rows + dims_b[None, :] * stride_sin_dim, mask=rot_mask, other=0.0).to(tl.float32)
+
+    out_a = x_a * cos_a - x_b * sin_a
+    out_b = x_b * cos_b + x_a * sin_b
+    tl.store(k_out_ptr + k_out_rows[:, None] + dims_a[None, :] * stride_ko_dim, out_a.to(out_dtype), mask=rot_mask)
+    tl.store(k_out_ptr + k_out_rows[:, None] + dims_b[None, :] * stride_ko_dim, out_b.to(out_dtype), mask=rot_mask)
+    if PASS_PAD > 0:
+        tl.store(k_out_ptr + k_out_rows[:, None] + dims_p[None, :] * stride_ko_dim, x_p.to(out_dtype), mask=pass_mask)
+
+    if COPY_V:
+        dims = tl.arange(0, HEAD_PAD)
+        v_mask = row_mask[:, None] & (dims < HEAD_DIM)[None, :]
+        v_rows = tokens * stride_v_token + layer * stride_v_layer + heads * (HEAD_DIM * stride_v_elem)
+        v_out_rows = layer * stride_vo_layer + tokens * stride_vo_token + heads * stride_vo_head
+        v = tl.load(v_proj_ptr + v_rows[:, None] + dims[None, :] * stride_v_elem, mask=v_mask)
+        tl.store(v_out_ptr + v_out_rows[:, None] + dims[None, :] * stride_vo_dim, v, mask=v_mask)
+
+
+# One kernel source, two front ends: compiled for GPU tensors, interpreted (numpy) for CPU tensors when
+# TRITON_INTERPRET=1 is set at call time (`triton.jit` itself only looks at that variable at import).
+fused_kv_materialize_kernel = triton.jit(_fused_kv_materialize_kernel)
+fused_kv_materialize_kernel_interpreted = InterpretedFunction(_fused_kv_materialize_kernel)
+
+
+@contextlib.contextmanager
+def _interpretable_tl_sum():
+    """Let the interpreter run `tl.sum`.
+
+    `tl.sum` is itself a `@triton.jit` function, made interpretable only when TRITON_INTERPRET=1 was set
+    before triton was imported; otherwise swap in an interpreted twin for the duration of the launch.
+    """
+    compiled_sum = tl.sum
+    if isinstance(compiled_sum, InterpretedFunction):
+        yield
+        return
+    tl.sum = InterpretedFunction(compiled_sum.fn)
+    try:
+        yield
+    finally:
+        tl.sum = compiled_sum
+
+
+def default_launch_config(rows_per_layer: int, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_ROWS, num_warps) for `rows_per_layer` = total_ctx * num_kv_heads rows of `head_dim`.
+
+    About 4096 elements of K (and as many of V) per program, fewer rows when there are few; no autotuning,
+    so the choice is a pure function of the shapes (safe under CUDA-graph capture and dynamic shapes).
+    """
+    head_pad = triton.next_power_of_2(head_dim)
+    block_rows = max(1, min(4096 // head_pad, triton.next_power_of_2(rows_per_layer)))
+    num_warps = max(1, min(4, block_rows * head_pad // 1024))
+    return block_rows, num_warps
+
+
+def launch_fused_kv_materialize(
+    k_proj: torch.Tensor,
+    v_proj: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    eps: torch.Tensor | None,
+    eps_value: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor | None,
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    interleaved: bool,
+    *,
+    interpret: bool = False,
+    block_rows: int | None = None,
+    num_warps: int | None = None,
+) -> None:
+    """Run the Triton kernel on validated arguments, writing `k_out` (and `v_out` when `v_proj` is given).
+
+    norm_weight: [n_layers, head_dim] or None (no K norm). eps: [n_layers] or None (use eps_value).
+    positions None: `cos`, `sin` are per-token [total_ctx, rotary_dim]; else `cos` is the cos/sin cache
+    [max_pos, rotary_dim] and `sin` is ignored. `interpret` runs the kernel through Triton's interpreter
+    (CPU tensors). `block_rows` / `num_warps` override the launch heuristic (tuning only).
+    """
+    total_ctx, n_layers, _ = k_proj.shape
+    num_rows = total_ctx * num_kv_heads
+    if num_rows == 0 or n_layers == 0:
+        return
+    if num_rows > MAX_ROWS_PER_LAYER:
+        raise ValueError(
+            "Too many rows for fused KV materialization: "
+            f"total_ctx * num_kv_heads = {num_rows} > {MAX_ROWS_PER_LAYER}."
+        )
+    default_rows, default_warps = default_launch_config(num_rows, head_dim)
+    block_rows = block_rows or default_rows
+    copy_v = v_proj is not None
+    v_proj = v_proj if copy_v else k_proj  # unused stand-ins keep the signature fixed
+    v_out = v_out if copy_v else k_out
+    use_positions = positions is not None
+    sin = cos if use_positions else sin
+    unused = k_proj
+    grid = (triton.cdiv(num_rows, block_rows), n_layers)
+    args = (
+        k_proj,
+        v_proj,
+        k_out,
+        v_out,
+        norm_weight if norm_weight is not None else unused,
+        eps if eps is not None else unused,
+        cos,
+        sin,
+        positions if use_positions else unused,
+        num_rows,
+        num_kv_heads,
+        cos.shape[0],
+        float(eps_value),
+        *k_proj.stride(),
+        *v_proj.stride(),
+        *k_out.stride(),
+        *v_out.stride(),
+        *(norm_weight.stride() if norm_weight is not None else (0, 0)),
+        eps.stride(0) if eps is not None else 0,
+        *cos.stride(),
+        *sin.stride(),
+    )
+    meta = dict(
+        HEAD_DIM=head_dim,
+        ROTARY_DIM=rotary_dim,
+        HALF_PAD=triton.next_power_of_2(rotary_dim // 2),
+        PASS_PAD=triton.next_power_of_2(head_dim - rotary_dim) if head_dim > rotary_dim else 0,
+        HEAD_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_ROWS=block_rows,
+        HAS_NORM=norm_weight is not None,
+        HAS_EPS_TENSOR=eps is not None,
+        USE_POSITIONS=use_positions,
+        INTERLEAVED=interleaved,
+        COPY_V=copy_v,
+        num_warps=num_warps or default_warps,
+    )
+    if interpret:
+        with _interpretable_tl_sum():
+            fused_kv_materialize_kernel_interpreted[grid](*args, **meta)
+    else:
+        fused_kv_materialize_kernel[grid](*args, **meta)
+
+
+def _rope_cos_sin(
+    cos: torch.Tensor,
+    sin: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    rotary_dim: int,
+    interleaved: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token float32 (cos, sin), each [total_ctx, rotary_dim], indexed by the element i of a head."""
+    if positions is None:
+        return cos.float(), sin.float()
+    half = rotary_dim // 2
+    rows = cos[positions.long().clamp(0, cos.shape[0] - 1)].float()
+    cos_freq, sin_freq = rows[:, :half], rows[:, half:rotary_dim]
+    if interleaved:
+        return cos_freq.repeat_interleave(2, dim=-1), sin_freq.repeat_interleave(2, dim=-1)
+    return torch.cat([cos_freq, cos_freq], dim=-1), torch.cat([sin_freq, sin_freq], dim=-1)
+
+
+def _rotate_partner(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """sign(i) * x[partner(i)] over the last dim (the rotary part of a head)."""
+    if interleaved:
+        return torch.stack([-x[..., 1::2], x[..., 0::2]], dim=-1).flatten(-2)
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def fused_kv_materialize_torch(
+    k_proj: torch.Tensor,
+    v_proj: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    eps: torch.Tensor | None,
+    eps_value: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor | None,
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    interleaved: bool,
+) -> None:
+    """The kernel's math in PyTorch, same arguments as `launch_fused_kv_materialize` (all layers at once)."""
+    total_ctx, n_layers, _ = k_proj.shape
+    out_dtype = k_out.dtype
+    k = k_proj.unflatten(-1, (num_kv_heads, head_dim)).float()  # [T, L, H, D]
+    if norm_weight is not None:
+        eps_per_layer = eps.float().view(1, n_layers, 1, 1) if eps is not None else eps_value
+        inv_rms = torch.rsqrt(k.square().mean(dim=-1, keepdim=True) + eps_per_layer)
+        weight = norm_weight.float().view(1, n_layers, 1, head_dim)
+        k = ((k * inv_rms).to(out_dtype).float() * weight).to(out_dtype).float()
+    cos_t, sin_t = _rope_cos_sin(cos, sin, positions, rotary_dim, interleaved)
+    cos_t = cos_t.view(total_ctx, 1, 1, rotary_dim)
+    sin_t = sin_t.view(total_ctx, 1, 1, rotary_dim)
+    rot = k[..., :rotary_dim]
+    rotated = rot * cos_t + _rotate_partner(rot, interleaved) * sin_t
+    k = torch.cat([rotated, k[..., rotary_dim:]], dim=-1)
+    k_out.copy_(k.transpose(0, 1))
+    if v_proj is not None:
+        v_out.copy_(v_proj.unflatten(-1, (num_kv_heads, head_dim)).transpose(0, 1))

@@ -1,0 +1,482 @@
+"""`torch.library` ops for stacked K/V materialization, their validation, and a drop-in wrapper.
+
+Ops (namespace `fx_fusion`), all backed by one kernel (`fused_kv_materialize.py`). Common leading arguments:
+
+    k_proj         [total_ctx, n_layers, num_kv_heads*head_dim], any strides (a view of a stacked GEMM output)
+    k_norm_weight  [] (no K norm), [w] with w [n_layers, head_dim], or n_layers tensors of [head_dim]
+    eps            [n_layers] float tensor (per-layer eps, read on device), or None to use eps_value
+    eps_value      float
+    cos            positions None: per-token cos [total_ctx, rotary_dim] (Hugging Face layout);
+                   positions given: cos_sin_cache [max_pos, rotary_dim] (cos in the first half, sin after)
+    sin            per-token sin [total_ctx, rotary_dim] when positions is None, else None
+    positions      [total_ctx] int32/int64 rows of cos_sin_cache, or None
+    num_kv_heads, head_dim, rotary_dim: int
+    interleaved    False: neox "rotate half"; True: GPT-J pairs (2i, 2i+1)
+
+    materialize_k(<common>) -> k_out
+    materialize_kv(<common>, v_proj) -> (k_out, v_out)          v_proj: like k_proj
+    materialize_kv_out(<common>, v_proj, k_out, v_out) -> None  writes k_out, v_out in place
+
+k_out, v_out: [n_layers, total_ctx, num_kv_heads, head_dim] in k_proj's dtype (fresh and contiguous from the
+functional ops; any strides for the out= op). On CUDA the Triton kernel runs; on CPU the PyTorch
+implementation of the same math, or the Triton kernel through the interpreter when the environment
+variable TRITON_INTERPRET is "1" at call time.
+
+`fused_norm_rope_stacked` has the signature and semantics of SGLang's stacked fused K/V helper
+(`kv` [total_ctx, n_layers, kv_size*2], cos_sin_cache + positions), raises the same ValueErrors in the same
+order, and adds `interleaved`, `k_norm_weight=None` and `check_positions`.
+"""
+
+import functools
+import os
+from typing import Optional, Sequence
+
+import torch
+
+from .fused_kv_materialize import fused_kv_materialize_torch, launch_fused_kv_materialize
+from .stacked_params import concatenated_view
+
+SUPPORTED_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SUPPORTED_POSITION_DTYPES = (torch.int32, torch.int64)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Validation (shared by the drop-in, the real kernels and the fake kernels; shapes only, no host sync)
+# --------------------------------------------------------------------------------------------------------
+
+
+def check_stacked_kv_rank(kv: torch.Tensor) -> None:
+    """kv must be 3-D [total_ctx, n_layers, kv_size*2]."""
+    if kv.dim() != 3:
+        raise ValueError(
+            "Invalid stacked fused KV projection shape: "
+            f"got {tuple(kv.shape)}, expected 3D [total_ctx, n_layers, kv_size*2]."
+        )
+
+
+def check_stacked_kv_width(kv: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
+    """kv's trailing dim must hold K then V of every head: 2 * num_kv_heads * head_dim."""
+    kv_size = num_kv_heads * head_dim
+    if kv.shape[-1] != kv_size * 2:
+        raise ValueError(
+            "Invalid fused KV projection shape: "
+            f"got {tuple(kv.shape)}, expected trailing dim {kv_size * 2}."
+        )
+
+
+def _check_projections(k_proj: torch.Tensor, v_proj: Optional[torch.Tensor], kv_size: int) -> None:
+    if k_proj.dim() != 3:
+        raise ValueError(
+            "Invalid stacked fused KV projection shape: "
+            f"got {tuple(k_proj.shape)}, expected 3D [total_ctx, n_layers, kv_size] for k_proj."
+        )
+    if k_proj.shape[-1] != kv_size:
+        raise ValueError(
+            "Invalid fused KV projection shape: "
+            f"got {tuple(k_proj.shape)}, expected trailing dim {kv_size} for k_proj."
+        )
+    if v_proj is not None and tuple(v_proj.shape) != tuple(k_proj.shape):
+        raise ValueError(
+            "Invalid fused KV projection shape: "
+            f"got v_proj {tuple(v_proj.shape)}, expected {tuple(k_proj.shape)} (the k_proj shape)."
+        )
+
+
+def _check_head_layout(num_kv_heads: int, head_dim: int, rotary_dim: int) -> None:
+    if num_kv_heads <= 0 or head_dim <= 0:
+        raise ValueError(
+            "Invalid fused KV head layout: "
+            f"num_kv_heads={num_kv_heads}, head_dim={head_dim}; both must be positive."
+        )
+    if rotary_dim <= 0 or rotary_dim > head_dim or rotary_dim % 2 != 0:
+        raise ValueError(
+            "Invalid fused KV rotary/head dim pair: "
+            f"rotary_dim={rotary_dim}, head_dim={head_dim}."
+        )
+
+
+def _norm_weight_shape(k_norm_weight: Sequence[torch.Tensor]) -> tuple:
+    """The [n_layers, head_dim] shape the weights stack to (or a description of what was given)."""
+    if len(k_norm_weight) == 1 and k_norm_weight[0].dim() == 2:
+        return tuple(k_norm_weight[0].shape)
+    shapes = {tuple(w.shape) for w in k_norm_weight}
+    if len(shapes) == 1 and len(next(iter(shapes))) == 1:
+        return (len(k_norm_weight), *next(iter(shapes)))
+    return tuple(tuple(w.shape) for w in k_norm_weight)
+
+
+def _check_norm_and_eps(
+    k_norm_weight: Sequence[torch.Tensor], eps: Optional[torch.Tensor], n_layers: int, head_dim: int
+) -> None:
+    if k_norm_weight:
+        got = _norm_weight_shape(k_norm_weight)
+        if got != (n_layers, head_dim):
+            raise ValueError(
+                "Invalid stacked k_norm_weight shape for fused KV materialization: "
+                f"got {got}, expected {(n_layers, head_dim)}."
+            )
+    if eps is not None and tuple(eps.shape) != (n_layers,):
+        raise ValueError(
+            "Invalid stacked eps shape for fused KV materialization: "
+            f"got {tuple(eps.shape)}, expected {(n_layers,)}."
+        )
+
+
+def _check_output(name: str, out: Optional[torch.Tensor], expected_shape: tuple, like: torch.Tensor) -> None:
+    if out is None:
+        return
+    if tuple(out.shape) != expected_shape:
+        raise ValueError(
+            f"Invalid {name} shape for fused KV materialization: "
+            f"got {tuple(out.shape)}, expected {expected_shape}."
+        )
+    if out.device != like.device or out.dtype != like.dtype:
+        raise ValueError(
+            f"Invalid {name} device/dtype for fused KV materialization: "
+            f"got device={out.device}, dtype={out.dtype}, expected device={like.device}, dtype={like.dtype}."
+        )
+
+
+def _check_dtypes_and_devices(
+    k_proj: torch.Tensor,
+    v_proj: Optional[torch.Tensor],
+    k_norm_weight: Sequence[torch.Tensor],
+    eps: Optional[torch.Tensor],
+    cos: torch.Tensor,
+    sin: Optional[torch.Tensor],
+    positions: Optional[torch.Tensor],
+) -> None:
+    if k_proj.dtype not in SUPPORTED_KV_DTYPES:
+        raise ValueError(
+            f"Unsupported KV projection dtype for fused KV materialization: got {k_proj.dtype}, "
+            "expected torch.bfloat16, torch.float16 or torch.float32."
+        )
+    if v_proj is not None and v_proj.dtype != k_proj.dtype:
+        raise ValueError(
+            f"Mismatched v_proj dtype for fused KV materialization: got {v_proj.dtype}, expected {k_proj.dtype}."
+        )
+    named = [("v_proj", v_proj), ("eps", eps), ("cos", cos), ("sin", sin), ("positions", positions)]
+    named += [(f"k_norm_weight[{i}]", w) for i, w in enumerate(k_norm_weight)]
+    for name, tensor in named:
+        if tensor is not None and tensor.device != k_proj.device:
+            raise ValueError(
+                f"Device mismatch for fused KV materialization: {name} is on {tensor.device}, "
+                f"expected {k_proj.device} (the projection's device)."
+            )
+    floating = [("eps", eps), ("cos", cos), ("sin", sin)]
+    floating += [(f"k_norm_weight[{i}]", w) for i, w in enumerate(k_norm_weight)]
+    for name, tensor in floating:
+        if tensor is not None and not tensor.dtype.is_floating_point:
+            raise ValueError(
+                f"Unsupported {name} dtype for fused KV materialization: got {tensor.dtype}, expected a floating dtype."
+            )
+    if len({w.dtype for w in k_norm_weight}) > 1:
+        raise ValueError(
+            "Mismatched k_norm_weight dtypes for fused KV materialization: "
+            f"got {[w.dtype for w in k_norm_weight]}, expected one dtype."
+        )
+    if positions is not None and positions.dtype not in SUPPORTED_POSITION_DTYPES:
+        raise ValueError(
+            f"Unsupported positions dtype for fused KV materialization: got {positions.dtype}, "
+            "expected torch.int32 or torch.int64."
+        )
+
+
+def _check_rope_tables(
+    cos: torch.Tensor,
+    sin: Optional[torch.Tensor],
+    positions: Optional[torch.Tensor],
+    total_ctx: int,
+    rotary_dim: int,
+) -> None:
+    if positions is None:
+        if sin is None:
+            raise ValueError(
+                "Missing sin for fused KV materialization: per-token cos/sin (positions=None) need both tables."
+            )
+        for name, table in (("cos", cos), ("sin", sin)):
+            if tuple(table.shape) != (total_ctx, rotary_dim):
+                raise ValueError(
+                    f"Invalid per-token {name} shape for fused KV materialization: "
+                    f"got {tuple(table.shape)}, expected {(total_ctx, rotary_dim)}."
+                )
+        return
+    if sin is not None:
+        raise ValueError(
+            "Unexpected sin for fused KV materialization: with positions, cos is the cos_sin_cache "
+            "[max_pos, rotary_dim] and sin must be None."
+        )
+    if cos.dim() != 2 or cos.shape[0] == 0 or cos.shape[1] != rotary_dim:
+        raise ValueError(
+            "Invalid cos_sin_cache shape for fused KV materialization: "
+            f"got {tuple(cos.shape)}, expected (max_pos >= 1, {rotary_dim})."
+        )
+    if tuple(positions.shape) != (total_ctx,):
+        raise ValueError(
+            "Invalid positions shape for fused KV materialization: "
+            f"got {tuple(positions.shape)}, expected {(total_ctx,)}."
+        )
+
+
+def validate_materialize_args(
+    k_proj: torch.Tensor,
+    k_norm_weight: Sequence[torch.Tensor],
+    eps: Optional[torch.Tensor],
+    cos: torch.Tensor,
+    sin: Optional[torch.Tensor],
+    positions: Optional[torch.Tensor],
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    v_proj: Optional[torch.Tensor] = None,
+    k_out: Optional[torch.Tensor] = None,
+    v_out: Optional[torch.Tensor] = None,
+) -> None:
+    """Raise ValueError for any argument the kernel cannot handle; reads shapes, dtypes and devices only.
+
+    Order: head layout / rotary pair, projection shapes, k_norm_weight, eps, k_out, v_out, then dtypes,
+    devices and the cos/sin/positions tables. Works on fake tensors and symbolic shapes.
+    """
+    _check_head_layout(num_kv_heads, head_dim, rotary_dim)
+    _check_projections(k_proj, v_proj, num_kv_heads * head_dim)
+    total_ctx, n_layers, _ = k_proj.shape
+    _check_norm_and_eps(k_norm_weight, eps, n_layers, head_dim)
+    expected_out_shape = (n_layers, total_ctx, num_kv_heads, head_dim)
+    _check_output("k_out", k_out, expected_out_shape, k_proj)
+    _check_output("v_out", v_out, expected_out_shape, k_proj)
+    _check_dtypes_and_devices(k_proj, v_proj, k_norm_weight, eps, cos, sin, positions)
+    _check_rope_tables(cos, sin, positions, total_ctx, rotary_dim)
+
+
+def check_positions_in_cache(positions: torch.Tensor, cache_rows: int) -> None:
+    """Eager-only range check of positions against the cos_sin_cache (one host sync)."""
+    if positions.numel() == 0:
+        return
+    low, high = torch.stack(torch.aminmax(positions)).tolist()
+    if low < 0 or high >= cache_rows:
+        raise ValueError(
+            "Positions out of range of the cos_sin_cache for fused KV materialization: "
+            f"got min={low}, max={high}, expected 0 <= position < {cache_rows}."
+        )
+
+
+def _host_sync_allowed(tensor: torch.Tensor) -> bool:
+    """False while tracing (torch.compile / export / fake tensors) or capturing a CUDA graph."""
+    if torch.compiler.is_compiling() or torch._subclasses.fake_tensor.is_fake(tensor):
+        return False
+    return not (tensor.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+# --------------------------------------------------------------------------------------------------------
+# Ops
+# --------------------------------------------------------------------------------------------------------
+
+
+def _stacked_norm_weight(k_norm_weight: Sequence[torch.Tensor], n_layers: int, head_dim: int) -> Optional[torch.Tensor]:
+    """[n_layers, head_dim] view of the K-norm weights (stacked once, no per-call copy), or None."""
+    if not k_norm_weight:
+        return None
+    if len(k_norm_weight) == 1 and k_norm_weight[0].dim() == 2:
+        return k_norm_weight[0]
+    return concatenated_view(k_norm_weight).view(n_layers, head_dim)
+
+
+def _run_triton(*args) -> None:
+    launch_fused_kv_materialize(*args)
+
+
+def _run_cpu(*args) -> None:
+    """PyTorch math, or the Triton kernel through its interpreter when TRITON_INTERPRET=1 (read per call)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        launch_fused_kv_materialize(*args, interpret=True)
+    else:
+        fused_kv_materialize_torch(*args)
+
+
+def _new_output(k_proj: torch.Tensor, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    total_ctx, n_layers, _ = k_proj.shape
+    return k_proj.new_empty((n_layers, total_ctx, num_kv_heads, head_dim))
+
+
+# Each op body takes the backend first: the op's default kernel (CUDA and other devices) binds
+# `_run_triton`, its CPU kernel binds `_run_cpu`. Bodies validate before allocating anything.
+
+
+def _materialize_k(backend, k_proj, k_norm_weight, eps, eps_value, cos, sin, positions, num_kv_heads, head_dim, rotary_dim, interleaved):
+    validate_materialize_args(k_proj, k_norm_weight, eps, cos, sin, positions, num_kv_heads, head_dim, rotary_dim)
+    k_out = _new_output(k_proj, num_kv_heads, head_dim)
+    norm_weight = _stacked_norm_weight(k_norm_weight, k_proj.shape[1], head_dim)
+    backend(
+        k_proj, None, norm_weight, eps, eps_value, cos, sin, positions, k_out, None,
+        num_kv_heads, head_dim, rotary_dim, interleaved,
+    )
+    return k_out
+
+
+def _materialize_kv(backend, k_proj, k_norm_weight, eps, eps_value, cos, sin, positions, num_kv_heads, head_dim, rotary_dim, interleaved, v_proj):
+    validate_materialize_args(k_proj, k_norm_weight, eps, cos, sin, positions, num_kv_heads, head_dim, rotary_dim, v_proj)
+    k_out = _new_output(k_proj, num_kv_heads, head_dim)
+    v_out = _new_output(k_proj, num_kv_heads, head_dim)
+    norm_weight = _stacked_norm_weight(k_norm_weight, k_proj.shape[1], head_dim)
+    backend(
+        k_proj, v_proj, norm_weight, eps, eps_value, cos, sin, positions, k_out, v_out,
+        num_kv_heads, head_dim, rotary_dim, interleaved,
+    )
+    return k_out, v_out
+
+
+def _materialize_kv_out(backend, k_proj, k_norm_weight, eps, eps_value, cos, sin, positions, num_kv_heads, head_dim, rotary_dim, interleaved, v_proj, k_out, v_out):
+    validate_materialize_args(k_proj, k_norm_weight, eps, cos, sin, positions, num_kv_heads, head_dim, rotary_dim, v_proj, k_out, v_out)
+    norm_weight = _stacked_norm_weight(k_norm_weight, k_proj.shape[1], head_dim)
+    backend(
+        k_proj, v_proj, norm_weight, eps, eps_value, cos, sin, positions, k_out, v_out,
+        num_kv_heads, head_dim, rotary_dim, interleaved,
+    )
+
+
+@torch.library.custom_op("fx_fusion::materialize_k", mutates_args=())
+def materialize_k(
+    k_proj: torch.Tensor,
+    k_norm_weight: list[torch.Tensor],
+    eps: Optional[torch.Tensor],
+    eps_value: float,
+    cos: torch.Tensor,
+    sin: Optional[torch.Tensor],
+    positions: Optional[torch.Tensor],
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    interleaved: bool,
+) -> torch.Tensor:
+    """K only: returns k_out [n_layers, total_ctx, num_kv_heads, head_dim] (V stays a view of the projection)."""
+    return _materialize_k(
+        _run_triton, k_proj, k_norm_weight, eps, eps_value, cos, sin, positions, num_kv_heads, head_dim,
+        rotary_dim, interleaved,
+    )
+
+
+@torch.library.custom_op("fx_fusion::materialize_kv", mutates_args=())
+def materialize_kv(
+    k_proj: torch.Tensor,
+    k_norm_weight: list[torch.Tensor],
+    eps: Optional[torch.Tensor],
+    eps_value: float,
+    cos: torch.Tensor,
+    sin: Optional[torch.Tensor],
+    positions: Optional[torch.Tensor],
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    interleaved: bool,
+    v_proj: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V in one kernel: returns (k_out, v_out), each [n_layers, total_ctx, num_kv_heads, head_dim]."""
+    return _materialize_kv(
+        _run_triton, k_proj, k_norm_weight, eps, eps_value, cos, sin, positions, num_kv_heads, head_dim,
+        rotary_dim, interleaved, v_proj,
+    )
+
+
+@torch.library.custom_op("fx_fusion::materialize_kv_out", mutates_args=("k_out", "v_out"))
+def materialize_kv_out(
+    k_proj: torch.Tensor,
+    k_norm_weight: list[torch.Tensor],
+    eps: Optional[torch.Tensor],
+    eps_value: float,
+    cos: torch.Tensor,
+    sin: Optional[torch.Tensor],
+    positions: Optional[torch.Tensor],
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    interleaved: bool,
+    v_proj: torch.Tensor,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+) -> None:
+    """out= variant of materialize_kv: writes k_out, v_out ([n_layers, total_ctx, num_kv_heads, head_dim], any strides)."""
+    _materialize_kv_out(
+        _run_triton, k_proj, k_norm_weight, eps, eps_value, cos, sin, positions, num_kv_heads, head_dim,
+        rotary_dim, interleaved, v_proj, k_out, v_out,
+    )
+
+
+materialize_k.register_kernel("cpu")(functools.partial(_materialize_k, _run_cpu))
+materialize_kv.register_kernel("cpu")(functools.partial(_materialize_kv, _run_cpu))
+materialize_kv_out.register_kernel("cpu")(functools.partial(_materialize_kv_out, _run_cpu))
+
+
+@materialize_k.register_fake
+def _materialize_k_fake(k_proj, k_norm_weight, eps, eps_value, cos, sin, positions, num_kv_heads, head_dim, rotary_dim, interleaved):
+    validate_materialize_args(k_proj, k_norm_weight, eps, cos, sin, positions, num_kv_heads, head_dim, rotary_dim)
+    return _new_output(k_proj, num_kv_heads, head_dim)
+
+
+@materialize_kv.register_fake
+def _materialize_kv_fake(k_proj, k_norm_weight, eps, eps_value, cos, sin, positions, num_kv_heads, head_dim, rotary_dim, interleaved, v_proj):
+    validate_materialize_args(k_proj, k_norm_weight, eps, cos, sin, positions, num_kv_heads, head_dim, rotary_dim, v_proj)
+    return _new_output(k_proj, num_kv_heads, head_dim), _new_output(k_proj, num_kv_heads, head_dim)
+
+
+@materialize_kv_out.register_fake
+def _materialize_kv_out_fake(k_proj, k_norm_weight, eps, eps_value, cos, sin, positions, num_kv_heads, head_dim, rotary_dim, interleaved, v_proj, k_out, v_out):
+    validate_materialize_args(k_proj, k_norm_weight, eps, cos, sin, positions, num_kv_heads, head_dim, rotary_dim, v_proj, k_out, v_out)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Drop-in
+# --------------------------------------------------------------------------------------------------------
+
+
+def fused_norm_rope_stacked(
+    kv: torch.Tensor,
+    k_norm_weight: Optional[torch.Tensor],
+    eps: Optional[torch.Tensor],
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    k_out: Optional[torch.Tensor] = None,
+    v_out: Optional[torch.Tensor] = None,
+    *,
+    interleaved: bool = False,
+    eps_value: float = 1e-6,
+    check_positions: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm + RoPE of K and a copy of V for every layer of a stacked K/V projection.
+
+    kv: [total_ctx, n_layers, kv_size*2], per token and layer K then V (kv_size = num_kv_heads*head_dim),
+    any strides. k_norm_weight: [n_layers, head_dim], or None for no K norm. eps: [n_layers] (None: use
+    `eps_value`). cos_sin_cache: [max_pos, rotary_dim], cos then sin. positions: [total_ctx] int32/int64.
+    Returns (k_out, v_out), each [n_layers, total_ctx, num_kv_heads, head_dim] in kv's dtype, written into
+    the given k_out / v_out when passed (either may be given alone).
+
+    `interleaved=True` rotates GPT-J pairs instead of halves. Positions outside the cache raise a
+    ValueError in eager calls (one host sync; `check_positions=False` skips it); inside torch.compile,
+    export or CUDA-graph capture nothing syncs and the kernel clamps positions into the cache.
+    """
+    check_stacked_kv_rank(kv)
+    total_ctx, n_layers, _ = kv.shape
+    if total_ctx == 0:
+        empty_shape = (n_layers, 0, num_kv_heads, head_dim)
+        return (
+            k_out if k_out is not None else kv.new_empty(empty_shape),
+            v_out if v_out is not None else kv.new_empty(empty_shape),
+        )
+    check_stacked_kv_width(kv, num_kv_heads, head_dim)
+    kv_size = num_kv_heads * head_dim
+    k_proj, v_proj = kv[..., :kv_size], kv[..., kv_size:]
+    weights = [] if k_norm_weight is None else [k_norm_weight]
+    common = (k_proj, weights, eps, eps_value, cos_sin_cache, None, positions, num_kv_heads, head_dim, rotary_dim, interleaved)
+    if check_positions and _host_sync_allowed(positions):
+        validate_materialize_args(
+            k_proj, weights, eps, cos_sin_cache, None, positions, num_kv_heads, head_dim, rotary_dim, v_proj, k_out, v_out
+        )
+        check_positions_in_cache(positions, cos_sin_cache.shape[0])
+    if k_out is None and v_out is None:
+        return torch.ops.fx_fusion.materialize_kv(*common, v_proj)
+    k_out = k_out if k_out is not None else _new_output(k_proj, num_kv_heads, head_dim)
+    v_out = v_out if v_out is not None else _new_output(k_proj, num_kv_heads, head_dim)
+    torch.ops.fx_fusion.materialize_kv_out(*common, v_proj, k_out, v_out)
+    return k_out, v_out

@@ -1,0 +1,28 @@
+"""`fx_fusion::stacked_linear`: one GEMM over the weights of several linears that read the same input.
+
+    out[n, :] = cat(x[n] @ W_0.T + b_0, x[n] @ W_1.T + b_1, ...)        out: [N, sum(W_i.shape[0])]
+
+The weights are stacked once (see `stacked_params.concatenated_view`), so steady-state calls launch a
+single mm/addmm and copy nothing. The output is a fresh tensor: the stacked weights never enter the
+compiled graph, so Inductor cannot reuse or overwrite them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .stacked_params import concatenated_view
+
+
+@torch.library.custom_op("fx_fusion::stacked_linear", mutates_args=())
+def stacked_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> torch.Tensor:
+    """x: [N, hidden]; weights: W_i [rows_i, hidden]; biases: [] or b_i [rows_i] for every weight."""
+    weight = concatenated_view(weights)
+    if biases:
+        return torch.addmm(concatenated_view(biases), x, weight.t())
+    return torch.mm(x, weight.t())
+
+
+@stacked_linear.register_fake
+def _(x, weights, biases):
+    return x.new_empty((x.shape[0], sum(w.shape[0] for w in weights)))

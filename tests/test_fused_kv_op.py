@@ -1,0 +1,727 @@
+"""Tests of the stacked K/V materialization ops (`fx_fusion::materialize_k/_kv/_kv_out`) and the drop-in
+`fused_norm_rope_stacked`.
+
+Every numeric case runs on each backend: the PyTorch implementation (CPU), the Triton kernel through the
+interpreter (CPU, TRITON_INTERPRET=1 read at call time) and the compiled Triton kernel (CUDA, skipped
+without a GPU). Results are compared with an independent float64 reference written here from the spec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fx_fusion.kernels.ops import fused_norm_rope_stacked
+
+OPS = torch.ops.fx_fusion
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+BACKENDS = [
+    pytest.param("torch", id="cpu-torch"),
+    pytest.param("interpret", id="cpu-triton-interpret"),
+    pytest.param("cuda", id="cuda", marks=[CUDA, pytest.mark.gpu]),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def device(request, monkeypatch) -> str:
+    """The device to build inputs on; selects the CPU backend through TRITON_INTERPRET."""
+    if request.param == "interpret":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    return "cuda" if request.param == "cuda" else "cpu"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Case:
+    total_ctx: int = 7
+    n_layers: int = 3
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    rotary_dim: int | None = None  # None: head_dim
+    dtype: torch.dtype = torch.bfloat16
+    norm: str | None = "stacked"  # "stacked" [L, D], "per_layer" L x [D], None
+    eps_tensor: bool = True  # per-layer eps tensor, else eps_value
+    rope: str = "cache"  # "cache" (cos_sin_cache + positions) or "per_token" (cos, sin)
+    positions_dtype: torch.dtype = torch.int64
+    interleaved: bool = False
+    kv_layout: str = "contiguous"  # "contiguous", "wide" (view of a wider buffer), "token_stride", "elem_stride"
+    max_pos: int = 64
+    edge_positions: bool = False  # positions alternate 0 and max_pos - 1
+
+    @property
+    def rot(self) -> int:
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+@dataclasses.dataclass
+class Inputs:
+    kv: torch.Tensor  # [T, L, 2*kv_size], laid out as the case says
+    k_norm_weight: list[torch.Tensor]
+    eps: torch.Tensor | None
+    eps_value: float
+    cos: torch.Tensor
+    sin: torch.Tensor | None
+    positions: torch.Tensor | None
+
+    def k_proj(self, case: Case) -> torch.Tensor:
+        return self.kv[..., : case.kv_size]
+
+    def v_proj(self, case: Case) -> torch.Tensor:
+        return self.kv[..., case.kv_size :]
+
+    def common(self, case: Case) -> tuple:
+        return (
+            self.k_proj(case), self.k_norm_weight, self.eps, self.eps_value, self.cos, self.sin, self.positions,
+            case.num_kv_heads, case.head_dim, case.rot, case.interleaved,
+        )
+
+
+def _strided_kv(values: torch.Tensor, layout: str) -> torch.Tensor:
+    """Place `values` [T, L, W] into a buffer so that the returned view has the requested strides."""
+    total_ctx, n_layers, width = values.shape
+    if layout == "contiguous":
+        return values.contiguous()
+    if layout == "wide":  # e.g. the K/V columns of a fused QKV GEMM output
+        buffer = torch.randn(total_ctx, n_layers, width + 24, dtype=values.dtype, device=values.device)
+        view = buffer[..., 16 : 16 + width]
+    elif layout == "token_stride":
+        buffer = torch.randn(2 * total_ctx, n_layers, width, dtype=values.dtype, device=values.device)
+        view = buffer[1::2]
+    elif layout == "elem_stride":
+        buffer = torch.randn(total_ctx, n_layers, width, 2, dtype=values.dtype, device=values.device)
+        view = buffer[..., 1]
+    else:
+        raise AssertionError(layout)
+    view.copy_(values)
+    return view
+
+
+def make_inputs(case: Case, device: str = "cpu", seed: int = 0) -> Inputs:
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, dtype=case.dtype):
+        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
+
+    T, L, D = case.total_ctx, case.n_layers, case.head_dim
+    kv = _strided_kv(randn(T, L, 2 * case.kv_size) * 3, case.kv_layout)
+    if case.norm == "stacked":
+        k_norm_weight = [1 + 0.5 * randn(L, D)]
+    elif case.norm == "per_layer":
+        k_norm_weight = [1 + 0.5 * randn(D) for _ in range(L)]
+    else:
+        k_norm_weight = []
+    eps = (torch.rand(L, generator=gen) * 1e-2 + 1e-6).to(device) if case.eps_tensor else None
+    if case.rope == "cache":
+        angles = randn(case.max_pos, case.rot // 2, dtype=torch.float32) * 3
+        cos = torch.cat([angles.cos(), angles.sin()], dim=-1)
+        sin = None
+        if case.edge_positions:
+            positions = torch.tensor([0, case.max_pos - 1] * T)[:T]
+        else:
+            positions = torch.randint(0, case.max_pos, (T,), generator=gen)
+        positions = positions.to(device=device, dtype=case.positions_dtype)
+    else:
+        angles = randn(T, case.rot, dtype=torch.float32) * 3  # no assumption that the halves repeat
+        cos, sin, positions = angles.cos().to(case.dtype), angles.sin().to(case.dtype), None
+    return Inputs(kv, k_norm_weight, eps, 1e-5, cos, sin, positions)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Independent float64 reference, written from the spec
+# --------------------------------------------------------------------------------------------------------
+
+
+def reference(case: Case, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_out, v_out) [L, T, H, D] in float64 (rounded to the case dtype where the spec rounds)."""
+    T, L, H, D, r = case.total_ctx, case.n_layers, case.num_kv_heads, case.head_dim, case.rot
+    half = r // 2
+    idx = torch.arange(r)
+    if case.interleaved:
+        partner, sign, freq = idx ^ 1, torch.where(idx % 2 == 0, -1.0, 1.0), idx // 2
+    else:
+        partner = torch.where(idx < half, idx + half, idx - half)
+        sign, freq = torch.where(idx < half, -1.0, 1.0), idx % half
+
+    def rounded(x: torch.Tensor) -> torch.Tensor:
+        return x.to(case.dtype).double()
+
+    if inputs.positions is None:
+        cos, sin = inputs.cos.double().cpu(), inputs.sin.double().cpu()
+    else:
+        pos = inputs.positions.long().cpu().clamp(0, inputs.cos.shape[0] - 1)
+        cache = inputs.cos.double().cpu()
+        cos, sin = cache[pos][:, freq], cache[pos][:, half + freq]
+
+    weights = [w.double().cpu() for w in inputs.k_norm_weight]
+    if len(weights) == 1 and weights[0].dim() == 2:
+        weights = list(weights[0])
+    k_proj = inputs.k_proj(case).double().cpu().reshape(T, L, H, D)
+    k_out = torch.empty(L, T, H, D, dtype=torch.float64)
+    for layer in range(L):
+        k = k_proj[:, layer]  # [T, H, D]
+        if weights:
+            eps = float(inputs.eps[layer]) if inputs.eps is not None else inputs.eps_value
+            normed = rounded(k / torch.sqrt(k.pow(2).mean(-1, keepdim=True) + eps))
+            k = rounded(normed * weights[layer])
+        rot = k[..., :r] * cos[:, None, :] + sign * k[..., partner] * sin[:, None, :]
+        k_out[layer] = torch.cat([rounded(rot), k[..., r:]], dim=-1)
+    v_out = inputs.v_proj(case).double().cpu().reshape(T, L, H, D).transpose(0, 1)
+    return k_out, v_out
+
+
+def assert_close_to_reference(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    actual = actual.double().cpu()
+    assert torch.isfinite(actual).all(), "output has NaN/inf (unwritten or poisoned elements)"
+    if dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    else:
+        rel_err = (actual - expected).norm() / expected.norm().clamp_min(1e-12)
+        assert rel_err < 1e-2, f"relative norm error {rel_err:.3g}"
+
+
+def poisoned(shape, like: torch.Tensor) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
+
+
+def check_all_variants(case: Case, inputs: Inputs) -> None:
+    """materialize_k, materialize_kv, materialize_kv_out (and the drop-in in cache mode) vs the reference."""
+    ref_k, ref_v = reference(case, inputs)
+    common = inputs.common(case)
+    v_proj = inputs.v_proj(case)
+
+    k_only = OPS.materialize_k(*common)
+    k_out, v_out = OPS.materialize_kv(*common, v_proj)
+    assert k_out.shape == (case.n_layers, case.total_ctx, case.num_kv_heads, case.head_dim)
+    assert k_out.dtype == v_out.dtype == case.dtype
+    assert_close_to_reference(k_out, ref_k, case.dtype)
+    assert torch.equal(v_out.double().cpu(), ref_v)
+    torch.testing.assert_close(k_only, k_out, rtol=0, atol=0)
+
+    k_into, v_into = poisoned(k_out.shape, k_out), poisoned(v_out.shape, v_out)
+    assert OPS.materialize_kv_out(*common, v_proj, k_into, v_into) is None
+    torch.testing.assert_close(k_into, k_out, rtol=0, atol=0)
+    assert torch.equal(v_into, v_out)
+
+    if case.rope == "cache":
+        norm_weight = None
+        if case.norm is not None:
+            norm_weight = torch.stack(inputs.k_norm_weight) if case.norm == "per_layer" else inputs.k_norm_weight[0]
+        eps_kwargs = {} if inputs.eps is not None else {"eps_value": inputs.eps_value}
+        drop_k, drop_v = fused_norm_rope_stacked(
+            inputs.kv, norm_weight, inputs.eps, inputs.cos, inputs.positions,
+            case.num_kv_heads, case.head_dim, case.rot, interleaved=case.interleaved, **eps_kwargs,
+        )
+        torch.testing.assert_close(drop_k, k_out, rtol=0, atol=0)
+        assert torch.equal(drop_v, v_out)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Numerics on every backend
+# --------------------------------------------------------------------------------------------------------
+
+CASES = {
+    "bf16-neox-cache": Case(),
+    "fp16-neox-cache-int32": Case(dtype=torch.float16, positions_dtype=torch.int32),
+    "fp32-neox-cache": Case(dtype=torch.float32),
+    "bf16-interleaved-cache": Case(interleaved=True),
+    "fp32-interleaved-per-token": Case(dtype=torch.float32, interleaved=True, rope="per_token"),
+    "bf16-neox-per-token": Case(rope="per_token"),
+    "fp32-partial-rotary": Case(dtype=torch.float32, head_dim=128, rotary_dim=64, num_kv_heads=1),
+    "fp32-partial-rotary-interleaved": Case(dtype=torch.float32, head_dim=80, rotary_dim=32, interleaved=True),
+    "bf16-head80-padded": Case(head_dim=80, num_kv_heads=3),
+    "bf16-head256": Case(head_dim=256, n_layers=2, total_ctx=3),
+    "fp32-rotary2": Case(dtype=torch.float32, rotary_dim=2),
+    "fp32-no-norm": Case(dtype=torch.float32, norm=None),
+    "bf16-no-norm-per-token": Case(norm=None, rope="per_token"),
+    "fp32-per-layer-norm": Case(dtype=torch.float32, norm="per_layer"),
+    "fp32-eps-value": Case(dtype=torch.float32, eps_tensor=False),
+    "bf16-kv-wide-buffer": Case(kv_layout="wide"),
+    "fp32-kv-token-stride": Case(dtype=torch.float32, kv_layout="token_stride"),
+    "fp32-kv-elem-stride": Case(dtype=torch.float32, kv_layout="elem_stride", interleaved=True),
+    "fp32-edge-positions": Case(dtype=torch.float32, edge_positions=True, max_pos=5),
+    "bf16-single-token-layer-head": Case(total_ctx=1, n_layers=1, num_kv_heads=1),
+    "fp32-many-rows": Case(dtype=torch.float32, total_ctx=37, num_kv_heads=4, n_layers=2),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_reference(name: str, device: str) -> None:
+    case = CASES[name]
+    check_all_variants(case, make_inputs(case, device))
+
+
+def test_per_layer_weights_match_stacked(device: str) -> None:
+    case = Case(dtype=torch.float32)
+    inputs = make_inputs(case, device)
+    stacked = OPS.materialize_kv(*inputs.common(case), inputs.v_proj(case))
+    per_layer = dataclasses.replace(inputs, k_norm_weight=[w.clone() for w in inputs.k_norm_weight[0]])
+    k_out, v_out = OPS.materialize_kv(*per_layer.common(case), inputs.v_proj(case))
+    torch.testing.assert_close(k_out, stacked[0], rtol=0, atol=0)
+    assert torch.equal(v_out, stacked[1])
+
+
+def test_cache_and_per_token_rope_agree(device: str) -> None:
+    """Per-token cos/sin built from the cache rows (neox layout) give the same result as cache + positions."""
+    case = Case(dtype=torch.float32)
+    inputs = make_inputs(case, device)
+    half = case.rot // 2
+    rows = inputs.cos[inputs.positions.long()]
+    cos = torch.cat([rows[:, :half], rows[:, :half]], dim=-1)
+    sin = torch.cat([rows[:, half:], rows[:, half:]], dim=-1)
+    per_token = dataclasses.replace(inputs, cos=cos, sin=sin, positions=None)
+    expected = OPS.materialize_k(*inputs.common(case))
+    torch.testing.assert_close(OPS.materialize_k(*per_token.common(case)), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_out_variant_with_strided_outputs(device: str) -> None:
+    case = Case(dtype=torch.float32)
+    inputs = make_inputs(case, device)
+    expected_k, expected_v = OPS.materialize_kv(*inputs.common(case), inputs.v_proj(case))
+    shape = (case.total_ctx, case.n_layers, case.num_kv_heads, case.head_dim)
+    k_into = poisoned(shape, expected_k).transpose(0, 1)  # [L, T, H, D] view of a [T, L, H, D] buffer
+    v_into = poisoned((*shape[:3], 2 * case.head_dim), expected_v)[..., ::2].transpose(0, 1)
+    OPS.materialize_kv_out(*inputs.common(case), inputs.v_proj(case), k_into, v_into)
+    torch.testing.assert_close(k_into, expected_k, rtol=0, atol=0)
+    assert torch.equal(v_into, expected_v)
+
+
+def test_drop_in_writes_given_outputs(device: str) -> None:
+    case = Case()
+    inputs = make_inputs(case, device)
+    args = (inputs.kv, inputs.k_norm_weight[0], inputs.eps, inputs.cos, inputs.positions, 2, 64, 64)
+    expected_k, expected_v = fused_norm_rope_stacked(*args)
+    k_into = poisoned(expected_k.shape, expected_k)
+    v_into = poisoned(expected_v.shape, expected_v)
+    k_ret, v_ret = fused_norm_rope_stacked(*args, k_out=k_into, v_out=v_into)
+    assert k_ret is k_into and v_ret is v_into
+    torch.testing.assert_close(k_into, expected_k, rtol=0, atol=0)
+    assert torch.equal(v_into, expected_v)
+    only_v = poisoned(expected_v.shape, expected_v)
+    k_new, v_ret = fused_norm_rope_stacked(*args, v_out=only_v)
+    assert v_ret is only_v
+    torch.testing.assert_close(k_new, expected_k, rtol=0, atol=0)
+
+
+def test_out_of_range_positions_are_clamped_without_check(device: str) -> None:
+    case = Case(dtype=torch.float32, max_pos=6)
+    inputs = make_inputs(case, device)
+    wild = torch.tensor([-3, 0, 5, 6, 1000, 2, -1], device=device)
+    clamped = dataclasses.replace(inputs, positions=wild.clamp(0, 5))
+    expected = OPS.materialize_k(*clamped.common(case))
+    k_out, _ = fused_norm_rope_stacked(
+        inputs.kv, inputs.k_norm_weight[0], inputs.eps, inputs.cos, wild, 2, 64, 64, check_positions=False
+    )
+    torch.testing.assert_close(k_out, expected, rtol=0, atol=0)
+    wild_inputs = dataclasses.replace(inputs, positions=wild)
+    torch.testing.assert_close(OPS.materialize_k(*wild_inputs.common(case)), expected, rtol=0, atol=0)
+
+
+def test_empty_context(device: str) -> None:
+    case = Case(total_ctx=0)
+    inputs = make_inputs(case, device)
+    shape = (case.n_layers, 0, case.num_kv_heads, case.head_dim)
+    k_out, v_out = fused_norm_rope_stacked(inputs.kv, inputs.k_norm_weight[0], inputs.eps, inputs.cos, inputs.positions, 2, 64, 64)
+    assert k_out.shape == v_out.shape == shape and k_out.dtype == case.dtype
+    # SGLang order: an empty context returns before the trailing-dim check.
+    k_out, _ = fused_norm_rope_stacked(inputs.kv[..., :-2], None, None, inputs.cos, inputs.positions, 2, 64, 64)
+    assert k_out.shape == shape
+    assert OPS.materialize_k(*inputs.common(case)).shape == shape
+    k_out, v_out = OPS.materialize_kv(*inputs.common(case), inputs.v_proj(case))
+    assert k_out.shape == v_out.shape == shape
+
+
+# --------------------------------------------------------------------------------------------------------
+# Property test (PyTorch path; a few examples through the interpreter)
+# --------------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def cases(draw, max_layers=8, max_heads=16, max_ctx=4):
+    head_dim = draw(st.sampled_from([64, 80, 128, 256]))
+    return Case(
+        total_ctx=draw(st.integers(1, max_ctx)),
+        n_layers=draw(st.integers(1, max_layers)),
+        num_kv_heads=draw(st.integers(1, max_heads)),
+        head_dim=head_dim,
+        rotary_dim=2 * draw(st.integers(1, head_dim // 2)),
+        dtype=draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32])),
+        norm=draw(st.sampled_from(["stacked", "per_layer", None])),
+        eps_tensor=draw(st.booleans()),
+        rope=draw(st.sampled_from(["cache", "per_token"])),
+        positions_dtype=draw(st.sampled_from([torch.int32, torch.int64])),
+        interleaved=draw(st.booleans()),
+        kv_layout=draw(st.sampled_from(["contiguous", "wide", "token_stride", "elem_stride"])),
+        max_pos=draw(st.integers(1, 16)),
+    )
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=cases(), seed=st.integers(0, 2**16))
+def test_property_torch_path(case: Case, seed: int, monkeypatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    check_all_variants(case, make_inputs(case, seed=seed))
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=cases(max_layers=3, max_heads=4, max_ctx=3), seed=st.integers(0, 2**16))
+def test_property_interpreter(case: Case, seed: int, monkeypatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    check_all_variants(case, make_inputs(case, seed=seed))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Validation: SGLang's messages in SGLang's order, then the extra checks
+# --------------------------------------------------------------------------------------------------------
+
+
+def drop_in_args(case: Case = Case(), **overrides) -> dict:
+    inputs = make_inputs(case)
+    args = dict(
+        kv=inputs.kv, k_norm_weight=inputs.k_norm_weight[0], eps=inputs.eps, cos_sin_cache=inputs.cos,
+        positions=inputs.positions, num_kv_heads=case.num_kv_heads, head_dim=case.head_dim, rotary_dim=case.rot,
+    )
+    args.update(overrides)
+    return args
+
+
+def _kv_2d():
+    return torch.randn(7, 256, dtype=torch.bfloat16)
+
+
+SEED_ERRORS = {
+    "kv-2d": (
+        dict(kv=_kv_2d()),
+        "Invalid stacked fused KV projection shape: got (7, 256), expected 3D [total_ctx, n_layers, kv_size*2].",
+    ),
+    "kv-trailing-dim": (
+        dict(kv=torch.randn(7, 3, 250, dtype=torch.bfloat16)),
+        "Invalid fused KV projection shape: got (7, 3, 250), expected trailing dim 256.",
+    ),
+    "rotary-odd": (dict(rotary_dim=63), "Invalid fused KV rotary/head dim pair: rotary_dim=63, head_dim=64."),
+    "rotary-too-big": (dict(rotary_dim=66), "Invalid fused KV rotary/head dim pair: rotary_dim=66, head_dim=64."),
+    "rotary-zero": (dict(rotary_dim=0), "Invalid fused KV rotary/head dim pair: rotary_dim=0, head_dim=64."),
+    "norm-weight": (
+        dict(k_norm_weight=torch.ones(2, 64, dtype=torch.bfloat16)),
+        "Invalid stacked k_norm_weight shape for fused KV materialization: got (2, 64), expected (3, 64).",
+    ),
+    "norm-weight-1d": (
+        dict(k_norm_weight=torch.ones(64, dtype=torch.bfloat16)),
+        "Invalid stacked k_norm_weight shape for fused KV materialization: got (1, 64), expected (3, 64).",
+    ),
+    "eps": (
+        dict(eps=torch.ones(3, 1)),
+        "Invalid stacked eps shape for fused KV materialization: got (3, 1), expected (3,).",
+    ),
+    "k_out-shape": (
+        dict(k_out=torch.empty(3, 7, 2, 32, dtype=torch.bfloat16), v_out=torch.empty(3, 7, 2, 64, dtype=torch.bfloat16)),
+        "Invalid k_out shape for fused KV materialization: got (3, 7, 2, 32), expected (3, 7, 2, 64).",
+    ),
+    "k_out-dtype": (
+        dict(k_out=torch.empty(3, 7, 2, 64), v_out=torch.empty(3, 7, 2, 64, dtype=torch.bfloat16)),
+        "Invalid k_out device/dtype for fused KV materialization: got device=cpu, dtype=torch.float32, "
+        "expected device=cpu, dtype=torch.bfloat16.",
+    ),
+    "v_out-shape": (
+        dict(v_out=torch.empty(3, 6, 2, 64, dtype=torch.bfloat16)),
+        "Invalid v_out shape for fused KV materialization: got (3, 6, 2, 64), expected (3, 7, 2, 64).",
+    ),
+    "v_out-dtype": (
+        dict(v_out=torch.empty(3, 7, 2, 64, dtype=torch.float16)),
+        "Invalid v_out device/dtype for fused KV materialization: got device=cpu, dtype=torch.float16, "
+        "expected device=cpu, dtype=torch.bfloat16.",
+    ),
+}
+
+EXTRA_ERRORS = {
+    "kv-dtype": (
+        dict(kv=torch.randn(7, 3, 256, dtype=torch.float64)),
+        "Unsupported KV projection dtype for fused KV materialization: got torch.float64, "
+        "expected torch.bfloat16, torch.float16 or torch.float32.",
+    ),
+    "positions-dtype": (
+        dict(positions=torch.zeros(7, dtype=torch.int16)),
+        "Unsupported positions dtype for fused KV materialization: got torch.int16, expected torch.int32 or torch.int64.",
+    ),
+    "positions-float": (
+        dict(positions=torch.zeros(7)),
+        "Unsupported positions dtype for fused KV materialization: got torch.float32, expected torch.int32 or torch.int64.",
+    ),
+    "positions-length": (
+        dict(positions=torch.zeros(6, dtype=torch.int64)),
+        "Invalid positions shape for fused KV materialization: got (6,), expected (7,).",
+    ),
+    "cache-dtype": (
+        dict(cos_sin_cache=torch.zeros(64, 64, dtype=torch.int32)),
+        "Unsupported cos dtype for fused KV materialization: got torch.int32, expected a floating dtype.",
+    ),
+    "cache-width": (
+        dict(cos_sin_cache=torch.zeros(64, 32)),
+        "Invalid cos_sin_cache shape for fused KV materialization: got (64, 32), expected (max_pos >= 1, 64).",
+    ),
+    "cache-empty": (
+        dict(cos_sin_cache=torch.zeros(0, 64)),
+        "Invalid cos_sin_cache shape for fused KV materialization: got (0, 64), expected (max_pos >= 1, 64).",
+    ),
+    "norm-weight-dtype": (
+        dict(k_norm_weight=torch.ones(3, 64, dtype=torch.int64)),
+        "Unsupported k_norm_weight[0] dtype for fused KV materialization: got torch.int64, expected a floating dtype.",
+    ),
+    "eps-dtype": (
+        dict(eps=torch.ones(3, dtype=torch.int64)),
+        "Unsupported eps dtype for fused KV materialization: got torch.int64, expected a floating dtype.",
+    ),
+    "positions-device": (
+        dict(positions=torch.zeros(7, dtype=torch.int64, device="meta")),
+        "Device mismatch for fused KV materialization: positions is on meta, expected cpu (the projection's device).",
+    ),
+    "positions-out-of-range": (
+        dict(positions=torch.tensor([0, 1, 2, 64, 3, 4, 5])),
+        "Positions out of range of the cos_sin_cache for fused KV materialization: "
+        "got min=0, max=64, expected 0 <= position < 64.",
+    ),
+    "positions-negative": (
+        dict(positions=torch.tensor([0, 1, -1, 2, 3, 4, 5], dtype=torch.int32)),
+        "Positions out of range of the cos_sin_cache for fused KV materialization: "
+        "got min=-1, max=5, expected 0 <= position < 64.",
+    ),
+    "head-layout": (
+        dict(num_kv_heads=0, kv=torch.randn(7, 3, 0)),
+        "Invalid fused KV head layout: num_kv_heads=0, head_dim=64; both must be positive.",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SEED_ERRORS) + list(EXTRA_ERRORS))
+def test_drop_in_errors(name: str) -> None:
+    overrides, message = {**SEED_ERRORS, **EXTRA_ERRORS}[name]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fused_norm_rope_stacked(**drop_in_args(**overrides))
+
+
+def test_sglang_check_order() -> None:
+    """With several problems at once, the first in SGLang's order is reported."""
+    bad_everything = dict(
+        rotary_dim=63,
+        k_norm_weight=torch.ones(2, 64),
+        eps=torch.ones(2),
+        k_out=torch.empty(1),
+        kv=torch.randn(7, 3, 250, dtype=torch.bfloat16),
+    )
+    order = ["kv", "rotary_dim", "k_norm_weight", "eps", "k_out"]
+    messages = [
+        "Invalid fused KV projection shape",
+        "Invalid fused KV rotary/head dim pair",
+        "Invalid stacked k_norm_weight shape",
+        "Invalid stacked eps shape",
+        "Invalid k_out shape",
+    ]
+    for dropped, message in enumerate(messages):
+        overrides = {key: bad_everything[key] for key in order[dropped:]}
+        with pytest.raises(ValueError, match=re.escape(message)):
+            fused_norm_rope_stacked(**drop_in_args(**overrides))
+
+
+OP_ERRORS = {
+    "k_proj-2d": (
+        lambda inputs, case: {"k_proj": inputs.kv[0, :, :128]},
+        "Invalid stacked fused KV projection shape: got (3, 128), expected 3D [total_ctx, n_layers, kv_size] for k_proj.",
+    ),
+    "v_proj-shape": (
+        lambda inputs, case: {"v_proj": inputs.kv[:-1, :, 128:]},
+        "Invalid fused KV projection shape: got v_proj (6, 3, 128), expected (7, 3, 128) (the k_proj shape).",
+    ),
+    "per-layer-norm-count": (
+        lambda inputs, case: {"k_norm_weight": [torch.ones(64, dtype=torch.bfloat16)] * 2},
+        "Invalid stacked k_norm_weight shape for fused KV materialization: got (2, 64), expected (3, 64).",
+    ),
+    "per-layer-norm-mixed": (
+        lambda inputs, case: {"k_norm_weight": [torch.ones(64), torch.ones(64), torch.ones(32)]},
+        "Invalid stacked k_norm_weight shape for fused KV materialization: got ((64,), (64,), (32,)), expected (3, 64).",
+    ),
+    "per-layer-norm-dtypes": (
+        lambda inputs, case: {"k_norm_weight": [torch.ones(64), torch.ones(64), torch.ones(64, dtype=torch.bfloat16)]},
+        "Mismatched k_norm_weight dtypes for fused KV materialization: "
+        "got [torch.float32, torch.float32, torch.bfloat16], expected one dtype.",
+    ),
+    "missing-sin": (
+        lambda inputs, case: {"positions": None},
+        "Missing sin for fused KV materialization: per-token cos/sin (positions=None) need both tables.",
+    ),
+    "unexpected-sin": (
+        lambda inputs, case: {"sin": inputs.cos},
+        "Unexpected sin for fused KV materialization: with positions, cos is the cos_sin_cache "
+        "[max_pos, rotary_dim] and sin must be None.",
+    ),
+    "per-token-cos-shape": (
+        lambda inputs, case: {"positions": None, "cos": torch.ones(6, 64), "sin": torch.ones(7, 64)},
+        "Invalid per-token cos shape for fused KV materialization: got (6, 64), expected (7, 64).",
+    ),
+    "per-token-sin-shape": (
+        lambda inputs, case: {"positions": None, "cos": torch.ones(7, 64), "sin": torch.ones(7, 32)},
+        "Invalid per-token sin shape for fused KV materialization: got (7, 32), expected (7, 64).",
+    ),
+    "v_proj-dtype": (
+        lambda inputs, case: {"v_proj": inputs.v_proj(case).half()},
+        "Mismatched v_proj dtype for fused KV materialization: got torch.float16, expected torch.bfloat16.",
+    ),
+    "cos-device": (
+        lambda inputs, case: {"cos": inputs.cos.to("meta")},
+        "Device mismatch for fused KV materialization: cos is on meta, expected cpu (the projection's device).",
+    ),
+}
+
+
+def _op_call_args(inputs: Inputs, case: Case, change) -> tuple:
+    names = ["k_proj", "k_norm_weight", "eps", "eps_value", "cos", "sin", "positions", "num_kv_heads",
+             "head_dim", "rotary_dim", "interleaved", "v_proj"]
+    args = dict(zip(names, (*inputs.common(case), inputs.v_proj(case))))
+    args.update(change(inputs, case))
+    return tuple(args[name] for name in names)
+
+
+@pytest.mark.parametrize("name", list(OP_ERRORS))
+def test_op_errors(name: str) -> None:
+    change, message = OP_ERRORS[name]
+    case = Case()
+    args = _op_call_args(make_inputs(case), case, change)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        OPS.materialize_kv(*args)
+
+
+# --------------------------------------------------------------------------------------------------------
+# torch.compile, dynamic shapes, export, opcheck
+# --------------------------------------------------------------------------------------------------------
+
+
+def _drop_in_call(kv, weight, eps, cache, positions):
+    return fused_norm_rope_stacked(kv, weight, eps, cache, positions, 2, 64, 64)
+
+
+def test_compile_fullgraph_matches_eager(device: str) -> None:
+    """fullgraph=True also proves the eager-only positions check (a host sync) is skipped while tracing."""
+    torch._dynamo.reset()
+    inputs = make_inputs(Case(), device)
+    args = (inputs.kv, inputs.k_norm_weight[0], inputs.eps, inputs.cos, inputs.positions)
+    expected_k, expected_v = _drop_in_call(*args)
+    k_out, v_out = torch.compile(_drop_in_call, fullgraph=True)(*args)
+    torch.testing.assert_close(k_out, expected_k, rtol=0, atol=0)
+    assert torch.equal(v_out, expected_v)
+
+
+def test_compile_shape_guard_at_trace_time() -> None:
+    torch._dynamo.reset()
+    inputs = make_inputs(Case())
+    message = "Invalid stacked fused KV projection shape: got (7, 256), expected 3D [total_ctx, n_layers, kv_size*2]."
+    with pytest.raises(Exception, match=re.escape(message)):
+        torch.compile(_drop_in_call, fullgraph=True, backend="eager")(
+            inputs.kv.flatten(1)[:, :256], inputs.k_norm_weight[0], inputs.eps, inputs.cos, inputs.positions
+        )
+    # Calling the op directly, the fake kernel raises the same kind of message while tracing.
+    op_message = "Invalid stacked fused KV projection shape: got (7, 128), expected 3D"
+    with pytest.raises(Exception, match=re.escape(op_message)):
+        torch.compile(lambda k: OPS.materialize_k(k, [], None, 1e-6, inputs.cos, None, inputs.positions, 2, 64, 64, False),
+                      fullgraph=True, backend="eager")(inputs.kv[:, 0, :128])
+
+
+def test_dynamic_total_ctx_does_not_recompile() -> None:
+    """T = 5, 7, 9 share one graph. (Dynamo specializes sizes 0 and 1, so T=1 would get its own graph.)"""
+    torch._dynamo.reset()
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(_drop_in_call, backend=counting_backend, fullgraph=True, dynamic=True)
+    for total_ctx in (5, 7, 9):
+        case = Case(total_ctx=total_ctx, dtype=torch.float32)
+        inputs = make_inputs(case, seed=total_ctx)
+        args = (inputs.kv, inputs.k_norm_weight[0], inputs.eps, inputs.cos, inputs.positions)
+        k_out, _ = compiled(*args)
+        assert_close_to_reference(k_out, reference(case, inputs)[0], case.dtype)
+    assert len(graphs) == 1
+
+
+class _DraftKV(torch.nn.Module):
+    def __init__(self, n_layers: int, head_dim: int) -> None:
+        super().__init__()
+        self.k_norm = torch.nn.ParameterList(torch.nn.Parameter(torch.rand(head_dim) + 0.5) for _ in range(n_layers))
+
+    def forward(self, kv, eps, cache, positions):
+        kv_size = kv.shape[-1] // 2
+        return OPS.materialize_kv(
+            kv[..., :kv_size], list(self.k_norm), eps, 1e-6, cache, None, positions, 2, 64, 64, False, kv[..., kv_size:]
+        )
+
+
+def test_export_module_calling_op() -> None:
+    case = Case(dtype=torch.float32)
+    inputs = make_inputs(case)
+    module = _DraftKV(case.n_layers, case.head_dim)
+    args = (inputs.kv, inputs.eps, inputs.cos, inputs.positions)
+    exported = torch.export.export(module, args)
+    assert any(node.target == OPS.materialize_kv.default for node in exported.graph.nodes)
+    expected = module(*args)
+    actual = exported.module()(*args)
+    torch.testing.assert_close(actual[0], expected[0], rtol=0, atol=0)
+    torch.testing.assert_close(actual[1], expected[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("op_name", ["materialize_k", "materialize_kv", "materialize_kv_out"])
+@pytest.mark.parametrize("rope", ["cache", "per_token"])
+def test_opcheck(op_name: str, rope: str, device: str) -> None:
+    # All of opcheck's default checks apply: the ops take no gradients, so test_autograd_registration only
+    # confirms that none of the inputs requires grad.
+    case = Case(dtype=torch.float32, rope=rope, norm="per_layer")
+    inputs = make_inputs(case, device)
+    args = (*inputs.common(case),)
+    if op_name != "materialize_k":
+        args += (inputs.v_proj(case),)
+    if op_name == "materialize_kv_out":
+        shape = (case.n_layers, case.total_ctx, case.num_kv_heads, case.head_dim)
+        args += (poisoned(shape, inputs.kv), poisoned(shape, inputs.kv))
+    torch.library.opcheck(getattr(OPS, op_name).default, args)
+
+
+# --------------------------------------------------------------------------------------------------------
+# CUDA only
+# --------------------------------------------------------------------------------------------------------
+
+
+@CUDA
+@pytest.mark.gpu
+def test_cuda_graph_capture_replays() -> None:
+    """The drop-in (positions check on) is capturable: nothing syncs while the stream captures."""
+    case = Case()
+    inputs = make_inputs(case, "cuda")
+    args = (inputs.kv, inputs.k_norm_weight[0], inputs.eps, inputs.cos, inputs.positions)
+    expected_k, expected_v = _drop_in_call(*args)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _drop_in_call(*args)  # warm up (compiles the kernel) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        k_out, v_out = _drop_in_call(*args)
+    inputs.kv.copy_(inputs.kv * 0.5)
+    expected_k, expected_v = _drop_in_call(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(k_out, expected_k, rtol=0, atol=0)
+    assert torch.equal(v_out, expected_v)
