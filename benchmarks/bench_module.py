@@ -390,6 +390,10 @@ def markdown(results: dict, meta: dict, columns: list[str]) -> str:
         for col, cell in row.items()
         if isinstance(cell, dict) and cell.get("error")
     ]
+    errors = [f"- {e}" for e in meta.get("errors", [])] + errors
+    if meta.get("skipped"):
+        lines.append("")
+        lines.append("Skipped (--max-minutes): " + ", ".join(meta["skipped"]))
     if errors:
         lines.append("")
         lines.append("Errors:")

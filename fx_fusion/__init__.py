@@ -15,13 +15,16 @@ from fx_fusion.kernels.ops import fused_norm_rope_stacked  # noqa: E402
 
 from .backend import fx_fusion_backend  # noqa: E402  (registers backend="fx_fusion")
 from .diagnostics import FusedGroup, PassRecord, Rejection  # noqa: E402
+from .explain import FusionReport, explain  # noqa: E402
 from .fused_kv_pass import FusedKVPass  # noqa: E402
 
 __all__ = [
     "FusedGroup",
     "FusedKVPass",
+    "FusionReport",
     "PassRecord",
     "Rejection",
+    "explain",
     "fused_norm_rope_stacked",
     "fx_fusion_backend",
 ]

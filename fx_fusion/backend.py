@@ -34,9 +34,10 @@ def fx_fusion_backend(
     inductor_options.update(options or {})
     min_layers = inductor_options.pop("min_layers", 2)
     disable = inductor_options.pop("disable", False)
-    kv_pass = FusedKVPass(min_layers=min_layers, enabled=not disable)
     freezing = inductor_options.get("freezing", torch._inductor.config.freezing)
-    slot = "joint_custom_post_pass" if freezing and not torch.is_grad_enabled() else "post_grad_custom_post_pass"
+    stage = "joint" if freezing and not torch.is_grad_enabled() else "post_grad"
+    slot = f"{stage}_custom_post_pass"
+    kv_pass = FusedKVPass(min_layers=min_layers, enabled=not disable, stage=stage)
     if inductor_options.get(slot) is not None:
         raise ValueError(f"fx_fusion installs its own {slot}; remove it from options")
     inductor_options[slot] = kv_pass

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import re
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch.fx
 
@@ -91,3 +92,13 @@ class RecordSink:
         logger.info(record.summary())
         if cls._active is not None:
             cls._active.append(record)
+
+    @classmethod
+    @contextlib.contextmanager
+    def collect(cls, records: list[PassRecord]) -> Iterator[list[PassRecord]]:
+        """Append every PassRecord emitted inside the block to `records`."""
+        previous, cls._active = cls._active, records
+        try:
+            yield records
+        finally:
+            cls._active = previous

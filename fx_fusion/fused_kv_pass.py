@@ -48,23 +48,26 @@ aten = torch.ops.aten
 class FusedKVPass(CustomGraphPass):
     """Inductor custom graph pass; use as `post_grad_custom_post_pass` (or via backend="fx_fusion")."""
 
-    def __init__(self, min_layers: int = 2, enabled: bool = True):
+    def __init__(self, min_layers: int = 2, enabled: bool = True, stage: str = "post_grad"):
         if min_layers < 1:
             raise ValueError(f"min_layers must be >= 1, got {min_layers}")
         self.min_layers = min_layers
         self.enabled = enabled
+        self.stage = stage  # "post_grad", or "joint" when installed before Inductor freezing
         self.records: list[PassRecord] = []
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         if not self.enabled:
             return
         record = fuse_kv_groups(graph, self.min_layers)
+        record.stage = self.stage
         self.records.append(record)
         RecordSink.emit(record)
 
     def uuid(self) -> bytes:
         files = (__file__, kv_patterns.__file__, fx_fusion.kernels.ops.__file__)
-        return get_hash_for_files(files, extra=f"min_layers={self.min_layers},enabled={self.enabled}")
+        options = f"min_layers={self.min_layers},enabled={self.enabled},stage={self.stage}"
+        return get_hash_for_files(files, extra=options)
 
 
 class _GraphBuilder:
@@ -118,7 +121,7 @@ def _group_key(branch: KBranch) -> tuple:
         ("eps", eps),
         ("bias", proj.bias is not None),
         ("projection width", proj.out_features),
-        ("K column in projection", branch.col_start),
+        ("K column in projection", branch.source.col_start),
     )
 
 
@@ -139,9 +142,9 @@ def _find_candidates(graph: torch.fx.Graph, record: PassRecord):
             continue
         entry = by_input[(kv_patterns.base_of(projection.x2d), str(val(projection.x2d).shape))]
         entry["projections"].append(projection)
-        for source, col_start in kv_patterns.branch_sources(projection):
+        for source in kv_patterns.branch_sources(projection):
             try:
-                entry["branches"].append(kv_patterns.match_k_branch(projection, source, col_start))
+                entry["branches"].append(kv_patterns.match_k_branch(projection, source))
             except kv_patterns.NotKBranch:
                 pass
             except NoMatch as reason:
@@ -248,7 +251,7 @@ def _rewrite_group(graph, fake_mode, branches: list[KBranch], extra: list[Projec
     for projection in projections:
         offsets[projection.node] = column
         column += projection.out_features
-    k_columns = [offsets[b.projection.node] + b.col_start for b in branches]
+    k_columns = [offsets[b.projection.node] + b.source.col_start for b in branches]
     n_layers = len(branches)
     step = k_columns[1] - k_columns[0] if n_layers > 1 else first.features
     if any(c != k_columns[0] + i * step for i, c in enumerate(k_columns)) or step < first.features:
@@ -298,6 +301,8 @@ def _rewrite_group(graph, fake_mode, branches: list[KBranch], extra: list[Projec
         for layer, branch in enumerate(branches):
             k_layer = builder.call(aten.select.int, k_all, 0, layer)
             k_layer = builder.call(aten.reshape.default, k_layer, [-1, branch.features])
+            if branch.source.token_shape is not None:
+                k_layer = builder.call(aten.reshape.default, k_layer, branch.source.token_shape + [branch.features])
             k_layer = builder.replay(branch.layout_before_norm + branch.layout_after_norm, k_layer)
             new_outputs.append((branch.output, k_layer))
         pieces = []

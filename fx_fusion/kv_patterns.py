@@ -22,6 +22,7 @@ from typing import Optional, Union
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -431,8 +432,7 @@ class KBranch:
     """One layer's K branch: projection columns -> [norm] -> rotary, and how to rebuild its output."""
 
     projection: Projection
-    col_start: int  # first column of K inside the projection output
-    source: torch.fx.Node  # node holding [N, kv_size] K (the mm, or the column slice of a fused projection)
+    source: "BranchSource"
     layout_before_norm: list[torch.fx.Node]
     layout_after_norm: list[torch.fx.Node]
     norm: Optional[RMSNorm]
@@ -448,10 +448,11 @@ class KBranch:
         return self.rotary.out
 
 
-def match_k_branch(projection: Projection, source: torch.fx.Node, col_start: int) -> KBranch:
+def match_k_branch(projection: Projection, source: BranchSource) -> KBranch:
     """Match source -> layout -> [RMSNorm] -> layout -> rotary. Raises NoMatch with a reason."""
-    features = static_shape(source)[-1]
-    layout_before, node = follow_layout(source)
+    col_start = source.col_start
+    features = static_shape(source.node)[-1]
+    layout_before, node = follow_layout(source.node)
     norm = None
     if starts_norm(node):
         norm = match_rms_norm(node)
@@ -468,27 +469,50 @@ def match_k_branch(projection: Projection, source: torch.fx.Node, col_start: int
     if val(rotary.out).dtype != val(projection.node).dtype:
         raise NoMatch(f"K output is {val(rotary.out).dtype}, the projection {val(projection.node).dtype}")
     rows, row_width = static_shape(projection.node)
-    index = torch.arange(rows * row_width, dtype=torch.int64).view(rows, row_width)
-    index = index[:, col_start : col_start + features]
     head_dim = static_shape(node)[-1]
-    at_norm = replay(layout_before, index)
-    if norm is not None:
-        if at_norm.shape[-1] == features and features != head_dim:
-            raise NoMatch(f"RMSNorm over the whole projection ({features} features), not per head ({head_dim})")
-        head_layout(at_norm, row_width, col_start, features, head_dim)
-    at_rotary = replay(layout_after, at_norm)
-    heads = head_layout(at_rotary, row_width, col_start, features, head_dim)
-    return KBranch(projection, col_start, source, layout_before, layout_after, norm, rotary, heads)
+    with unset_fake_temporarily():  # the index simulation runs on real tensors, also inside a traced pass
+        index = torch.arange(rows * row_width, dtype=torch.int64).view(rows, row_width)
+        index = replay(source.prefix, index)[..., col_start : col_start + features]
+        at_norm = replay(layout_before, index)
+        if norm is not None:
+            if at_norm.shape[-1] == features and features != head_dim:
+                raise NoMatch(f"RMSNorm over the whole projection ({features} features), not per head ({head_dim})")
+            head_layout(at_norm, row_width, col_start, features, head_dim)
+        at_rotary = replay(layout_after, at_norm)
+        heads = head_layout(at_rotary, row_width, col_start, features, head_dim)
+    return KBranch(projection, source, layout_before, layout_after, norm, rotary, heads)
 
 
-def branch_sources(projection: Projection) -> list[tuple[torch.fx.Node, int]]:
-    """(node, first column) for each consumer of a projection: the mm itself, or its column slices."""
-    node = projection.node
-    width = projection.out_features
+@dataclasses.dataclass
+class BranchSource:
+    """The [..., kv_size] tensor a K branch starts from: a projection, or a column slice of a fused one."""
+
+    node: torch.fx.Node
+    col_start: int  # first projection column it holds
+    prefix: list[torch.fx.Node]  # reshapes between the mm and the sliced tensor (they keep the last dim)
+
+    @property
+    def token_shape(self) -> Optional[list]:
+        """Leading shape args of the sliced tensor, when the slice was taken after a reshape of the mm."""
+        return list(self.prefix[-1].args[1][:-1]) if self.prefix else None
+
+
+def branch_sources(projection: Projection) -> list[BranchSource]:
+    """Where K branches may start on a projection: the mm itself, or each column slice of it."""
+    node, width = projection.node, projection.out_features
+    prefix = []
+    while len(node.users) == 1:
+        (user,) = node.users
+        if not (is_call(user, aten.view.default, aten.reshape.default) and static_shape(user)[-1] == width):
+            break
+        prefix.append(user)
+        node = user
+    whole = [BranchSource(projection.node, 0, [])]
+    rank = len(val(node).shape)
     slices = []
     for user in node.users:
-        bounds = _last_dim_slice(user, node, 2, width)
+        bounds = _last_dim_slice(user, node, rank, width)
         if bounds is None or bounds[2] != 1:
-            return [(node, 0)]
-        slices.append((user, bounds[0]))
-    return slices or [(node, 0)]
+            return whole
+        slices.append(BranchSource(user, bounds[0], prefix))
+    return slices or whole

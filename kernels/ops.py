@@ -99,10 +99,10 @@ def _norm_weight_shape(k_norm_weight: Sequence[torch.Tensor]) -> tuple:
     """The [n_layers, head_dim] shape the weights stack to (or a description of what was given)."""
     if len(k_norm_weight) == 1 and k_norm_weight[0].dim() == 2:
         return tuple(k_norm_weight[0].shape)
-    shapes = {tuple(w.shape) for w in k_norm_weight}
-    if len(shapes) == 1 and len(next(iter(shapes))) == 1:
-        return (len(k_norm_weight), *next(iter(shapes)))
-    return tuple(tuple(w.shape) for w in k_norm_weight)
+    shapes = [tuple(w.shape) for w in k_norm_weight]
+    if len(shapes[0]) == 1 and all(shape == shapes[0] for shape in shapes):
+        return (len(shapes), *shapes[0])
+    return tuple(shapes)
 
 
 def _check_norm_and_eps(

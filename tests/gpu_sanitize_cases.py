@@ -1,0 +1,69 @@
+"""CUDA cases of the stacked K/V materialization kernel, sized for a memory checker.
+
+    compute-sanitizer --tool memcheck python tests/gpu_sanitize_cases.py
+
+Runs the Triton kernel on the inputs most likely to go out of bounds (cache edges, out-of-range positions
+inside torch.compile, strided and padded heads, tiny shapes) and compares every result with the float64
+reference of tests/test_fused_kv_op.py. Exits nonzero on any mismatch; memcheck reports bad accesses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import torch
+
+from test_fused_kv_op import Case, check_all_variants, make_inputs, reference, assert_close_to_reference
+
+from fx_fusion.kernels.ops import fused_norm_rope_stacked
+
+CASES = {
+    "positions-at-cache-edges": Case(edge_positions=True, max_pos=7),
+    "strided-kv-wide": Case(kv_layout="wide"),
+    "strided-kv-token-stride": Case(kv_layout="token_stride", dtype=torch.float16),
+    "strided-kv-elem-stride": Case(kv_layout="elem_stride", dtype=torch.float32, interleaved=True),
+    "head-dim-80-padded": Case(head_dim=80, num_kv_heads=3, rotary_dim=40),
+    "head-dim-80-per-token": Case(head_dim=80, rope="per_token", interleaved=True),
+    "head-dim-256": Case(head_dim=256, total_ctx=5),
+    "one-token-one-layer": Case(total_ctx=1, n_layers=1),
+    "one-token-one-layer-one-head": Case(total_ctx=1, n_layers=1, num_kv_heads=1, head_dim=128),
+    "many-rows-partial-tile": Case(total_ctx=333, num_kv_heads=8, head_dim=128, n_layers=5),
+}
+
+
+def compiled_out_of_range_positions() -> None:
+    """Inside torch.compile the eager range check is skipped; the kernel must clamp, not read outside."""
+    case = Case(total_ctx=6, max_pos=5, dtype=torch.float32)
+    inputs = make_inputs(case, "cuda")
+    wild = torch.tensor([-100, -1, 0, 4, 5, 1 << 40], device="cuda")
+    expected = reference(case, dataclasses.replace(inputs, positions=wild.clamp(0, case.max_pos - 1)))[0]
+
+    def draft(kv, weight, eps, cache, positions):
+        return fused_norm_rope_stacked(kv, weight, eps, cache, positions, case.num_kv_heads, case.head_dim, case.rot)
+
+    k_out, _ = torch.compile(draft, fullgraph=True)(inputs.kv, inputs.k_norm_weight[0], inputs.eps, inputs.cos, wild)
+    assert_close_to_reference(k_out, expected, case.dtype)
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("no CUDA device")
+        return 2
+    failures = []
+    checks = {name: (lambda case=case: check_all_variants(case, make_inputs(case, "cuda"))) for name, case in CASES.items()}
+    checks["compiled-out-of-range-positions"] = compiled_out_of_range_positions
+    for name, check in checks.items():
+        try:
+            check()
+            torch.cuda.synchronize()
+            print(f"ok    {name}")
+        except Exception as error:  # report every case, then fail
+            failures.append(name)
+            print(f"FAIL  {name}: {type(error).__name__}: {error}")
+    print(f"{len(checks) - len(failures)}/{len(checks)} cases passed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,366 @@
+"""FusedKVPass and the fx_fusion backend on real Hugging Face attention blocks (small random configs)."""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import pytest
+import torch
+import torch._dynamo.testing
+from torch import nn
+from transformers import LlamaConfig, Qwen3Config
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+import fx_fusion
+from fx_fusion import drafts
+from fx_fusion.diagnostics import RecordSink
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+aten = torch.ops.aten
+PROJECTION_OPS = (aten.mm.default, aten.addmm.default)
+FUSED_OP = torch.ops.fx_fusion.materialize_k.default
+STACKED_GEMM = torch.ops.fx_fusion.stacked_linear.default
+
+
+@pytest.fixture(autouse=True)
+def fresh_compile():
+    """A fresh dynamo, and Inductor's FX graph cache off so that the pass really runs (and records)."""
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        yield
+    torch._dynamo.reset()
+
+
+class CountingPass(fx_fusion.FusedKVPass):
+    """FusedKVPass that counts op targets in the graph before and after it runs."""
+
+    def __call__(self, graph):
+        self.before = collections.Counter(n.target for n in graph.nodes if n.op == "call_function")
+        super().__call__(graph)
+        self.after = collections.Counter(n.target for n in graph.nodes if n.op == "call_function")
+
+
+def assert_close_outputs(got, ref, dtype):
+    assert len(got) == len(ref)
+    for g, r in zip(got, ref):
+        assert g.shape == r.shape and g.dtype == r.dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+        else:
+            err = (g.double() - r.double()).norm() / r.double().norm()
+            assert err < 1e-2, err
+
+
+def compile_counting(module, **kwargs):
+    counting = CountingPass(**kwargs)
+    return torch.compile(module, options={"post_grad_custom_post_pass": counting}), counting
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("n_layers", [2, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_context_kv_fused_and_exact(device, family, n_layers, dtype):
+    factory = drafts.qwen3_context_kv if family == "qwen3" else drafts.llama_context_kv
+    module = factory(n_layers, dtype=dtype, device=device)
+    inputs = drafts.example_inputs(module, batch=2, seq_len=7)
+    with torch.no_grad():
+        ref = module(*inputs)
+        compiled, counting = compile_counting(module)
+        got = compiled(*inputs)
+    assert_close_outputs(got, ref, dtype)
+    (record,) = counting.records
+    assert len(record.fused_groups) == 1 and not record.rejected
+    group = record.fused_groups[0]
+    assert (group.n_layers, group.num_kv_heads, group.head_dim, group.rotary_dim) == (n_layers, 2, 32, 32)
+    assert group.k_norm == (family == "qwen3") and group.rotary_style == "neox" and group.v_as_view == n_layers
+    assert sum(counting.before[op] for op in PROJECTION_OPS) == 2 * n_layers
+    assert sum(counting.after[op] for op in PROJECTION_OPS) == 0
+    assert counting.after[FUSED_OP] == 1 and counting.after[STACKED_GEMM] == 1
+    assert counting.after[aten.rsqrt.default] == 0 and counting.after[aten.neg.default] == 0
+
+
+def test_bias_fused_kv_linear_and_backend():
+    """Qwen2-style K/V bias through the registered backend; V outputs are views of the stacked GEMM."""
+    module = drafts.qwen3_context_kv(3, attention_bias=True)
+    inputs = drafts.example_inputs(module, seq_len=5)
+    records = []
+    with torch.no_grad(), RecordSink.collect(records):
+        ref = module(*inputs)
+        got = torch.compile(module, backend="fx_fusion")(*inputs)
+    assert_close_outputs(got, ref, torch.float32)
+    (group,) = records[0].fused_groups
+    assert group.bias and group.n_layers == 3
+
+
+class FusedKVLinearContext(nn.Module):
+    """Each layer projects K and V with ONE linear ([2*kv, hidden]) and slices it; partial rotary."""
+
+    def __init__(self, n_layers=3, hidden=48, heads=2, head_dim=16, rotary_dim=8, interleaved=False):
+        super().__init__()
+        self.heads, self.head_dim, self.rotary_dim, self.interleaved = heads, head_dim, rotary_dim, interleaved
+        self.kv = nn.ModuleList([nn.Linear(hidden, 2 * heads * head_dim, bias=False) for _ in range(n_layers)])
+        self.norms = nn.ModuleList([Qwen3RMSNorm(head_dim, eps=1e-5) for _ in range(n_layers)])
+        for norm in self.norms:
+            nn.init.normal_(norm.weight, 1.0, 0.2)
+
+    def rotate(self, x):
+        if self.interleaved:
+            return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        kv_size = self.heads * self.head_dim
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        outs = []
+        for kv_proj, norm in zip(self.kv, self.norms):
+            kv = kv_proj(x)
+            k = norm(kv[..., :kv_size].view(B, T, self.heads, self.head_dim)).transpose(1, 2)
+            v = kv[..., kv_size:].view(B, T, self.heads, self.head_dim).transpose(1, 2)
+            k_rot, k_pass = k[..., : self.rotary_dim], k[..., self.rotary_dim :]
+            k = torch.cat((k_rot * cos + self.rotate(k_rot) * sin, k_pass), dim=-1)
+            outs += [k, v]
+        return tuple(outs)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_fused_kv_linear_partial_and_interleaved_rotary(interleaved):
+    torch.manual_seed(0)
+    module = FusedKVLinearContext(interleaved=interleaved)
+    x, cos, sin = torch.randn(2, 5, 48), torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    with torch.no_grad():
+        ref = module(x, cos, sin)
+        compiled, counting = compile_counting(module)
+        got = compiled(x, cos, sin)
+    assert_close_outputs(got, ref, torch.float32)
+    (group,) = counting.records[0].fused_groups
+    assert group.rotary_dim == 8 and group.rotary_style == ("interleaved" if interleaved else "neox")
+    assert group.v_as_view == 0  # V comes from the same fused linears: no extra projections
+    assert sum(counting.after[op] for op in PROJECTION_OPS) == 0 and counting.after[FUSED_OP] == 1
+
+
+class VariantContext(nn.Module):
+    """A Qwen3-like context module whose LAST layer deviates from the others in one way."""
+
+    def __init__(self, variant: str, n_layers=3, hidden=64, heads=2, head_dim=32):
+        super().__init__()
+        config = Qwen3Config(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=heads, head_dim=head_dim)
+        self.variant, self.heads, self.head_dim = variant, heads, head_dim
+        self.rotary = Qwen3RotaryEmbedding(config)
+        config_other = Qwen3Config(
+            hidden_size=hidden, num_attention_heads=4, num_key_value_heads=heads, head_dim=head_dim, rope_theta=10.0
+        )
+        self.other_rotary = Qwen3RotaryEmbedding(config_other)
+        last_dim = head_dim // 2 if variant == "head_dim" else head_dim
+        dims = [head_dim] * (n_layers - 1) + [last_dim]
+        self.dims = dims
+        self.k = nn.ModuleList([nn.Linear(hidden, heads * d, bias=False) for d in dims])
+        self.v = nn.ModuleList([nn.Linear(hidden, heads * d, bias=False) for d in dims])
+        self.norms = nn.ModuleList([Qwen3RMSNorm(d) for d in dims])
+        self.whole_norm = Qwen3RMSNorm(heads * head_dim)
+        self.layer_norm = nn.LayerNorm(head_dim)
+        config_small = Qwen3Config(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=heads, head_dim=last_dim)
+        self.small_rotary = Qwen3RotaryEmbedding(config_small)
+
+    def last_norm(self, k):
+        if self.variant == "whole_projection_norm":
+            B, T = k.shape[:2]
+            return self.whole_norm(k.reshape(B, T, -1)).view(B, T, self.heads, self.head_dim)
+        if self.variant == "layer_norm":
+            return self.layer_norm(k)
+        if self.variant == "eps_outside":
+            x = k.float()
+            return (self.norms[-1].weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)) + 1e-6)).to(k.dtype)
+        return self.norms[-1](k)
+
+    def forward(self, x, position_ids):
+        B, T, _ = x.shape
+        cos, sin = self.rotary(x, position_ids)
+        outs = []
+        for i, (k_proj, v_proj, norm, d) in enumerate(zip(self.k, self.v, self.norms, self.dims)):
+            last = i == len(self.dims) - 1
+            k = k_proj(x).view(B, T, self.heads, d)
+            k = (self.last_norm(k) if last else norm(k)).transpose(1, 2)
+            c, s = cos, sin
+            if last and self.variant == "other_cos_sin":
+                c, s = self.other_rotary(x, position_ids)
+            if last and self.variant == "head_dim":
+                c, s = self.small_rotary(x, position_ids)
+            _, k = apply_rotary_pos_emb(k, k, c, s)
+            outs += [k, v_proj(x).view(B, T, self.heads, d).transpose(1, 2)]
+        return tuple(outs)
+
+
+@pytest.mark.parametrize(
+    "variant, reason",
+    [
+        ("other_cos_sin", "differs from the fused group in cos, sin"),
+        ("whole_projection_norm", "RMSNorm over the whole projection (64 features), not per head (32)"),
+        ("layer_norm", "subtracts the mean (LayerNorm), not an RMSNorm"),
+        ("head_dim", "differs from the fused group in head_dim"),
+        ("eps_outside", "eps sits elsewhere"),
+    ],
+)
+def test_deviating_layer_left_alone_with_reason(variant, reason):
+    torch.manual_seed(0)
+    module = VariantContext(variant)
+    x, positions = torch.randn(1, 6, 64), torch.arange(6)[None] + 2
+    with torch.no_grad():
+        ref = module(x, positions)
+        compiled, counting = compile_counting(module)
+        got = compiled(x, positions)
+    assert_close_outputs(got, ref, torch.float32)
+    (record,) = counting.records
+    assert [g.n_layers for g in record.fused_groups] == [2]
+    assert len(record.rejected) == 1, record.rejected
+    assert reason in record.rejected[0].reason
+    assert "k.2" in record.rejected[0].location
+    # the deviating layer keeps its own K branch (its rotary's neg); its projections join the stacked GEMM
+    # when they have the group's width, as any linear on the same input does
+    assert counting.after[aten.neg.default] == 1 and counting.after[FUSED_OP] == 1
+    assert sum(counting.after[op] for op in PROJECTION_OPS) == (2 if variant == "head_dim" else 0)
+
+
+def test_single_layer_needs_min_layers_option():
+    module = drafts.qwen3_context_kv(1)
+    inputs = drafts.example_inputs(module, seq_len=4)
+    with torch.no_grad():
+        ref = module(*inputs)
+        compiled, counting = compile_counting(module)
+        assert_close_outputs(compiled(*inputs), ref, torch.float32)
+        assert not counting.records[0].fused_groups
+        assert "min_layers=2" in counting.records[0].rejected[0].reason
+        torch._dynamo.reset()
+        compiled, counting = compile_counting(module, min_layers=1)
+        assert_close_outputs(compiled(*inputs), ref, torch.float32)
+        assert counting.records[0].fused_groups[0].n_layers == 1
+
+
+@pytest.mark.parametrize("make_layer", ["qwen3", "llama"])
+def test_full_decoder_layer_matches_eager(make_layer):
+    if make_layer == "qwen3":
+        config = Qwen3Config(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=1)
+        layer, rotary = Qwen3DecoderLayer(config, 0), Qwen3RotaryEmbedding(config)
+    else:
+        config = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1)
+        layer, rotary = LlamaDecoderLayer(config, 0), LlamaRotaryEmbedding(config)
+    config._attn_implementation = "sdpa"
+    layer.eval()
+    x, positions = torch.randn(1, 6, 64), torch.arange(6)[None]
+    with torch.no_grad():
+        cos_sin = rotary(x, positions)
+        ref = layer(x, attention_mask=None, position_embeddings=cos_sin)
+        got = torch.compile(layer, backend="fx_fusion", options={"min_layers": 1})(
+            x, attention_mask=None, position_embeddings=cos_sin
+        )
+    ref = ref[0] if isinstance(ref, tuple) else ref
+    got = got[0] if isinstance(got, tuple) else got
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_dynamic_seq_len_does_not_recompile():
+    module = drafts.qwen3_context_kv(3)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("fx_fusion")
+    compiled = torch.compile(module, backend=counter, dynamic=True)
+    with torch.no_grad():
+        for seq_len in (3, 5, 9, 17):
+            inputs = drafts.example_inputs(module, batch=1, seq_len=seq_len, seed=seq_len)
+            assert_close_outputs(compiled(*inputs), module(*inputs), torch.float32)
+    assert counter.frame_count == 1
+
+
+def test_seq_len_one_with_unbacked_size_does_not_recompile():
+    """dynamo specializes sizes 0/1 even with dynamic=True; mark the token dim unbacked to cover T=1."""
+    module = drafts.qwen3_context_kv(2)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("fx_fusion")
+    compiled = torch.compile(module, backend=counter)
+    with torch.no_grad():
+        for seq_len in (4, 1, 6):
+            hidden, positions = drafts.example_inputs(module, batch=1, seq_len=seq_len, seed=seq_len)
+            torch._dynamo.decorators.mark_unbacked(hidden, 1)
+            torch._dynamo.decorators.mark_unbacked(positions, 1)
+            assert_close_outputs(compiled(hidden, positions), module(hidden, positions), torch.float32)
+    assert counter.frame_count == 1
+
+
+def test_weights_changed_after_compile_and_cache_never_corrupted():
+    module = drafts.qwen3_context_kv(3)
+    compiled = torch.compile(module, backend="fx_fusion")
+    first = drafts.example_inputs(module, seq_len=5, seed=1)
+    second = drafts.example_inputs(module, seq_len=5, seed=2)
+    with torch.no_grad():
+        ref_first = module(*first)
+        out_first = [t.clone() for t in compiled(*first)]
+        for _ in range(3):  # other inputs in between must not disturb the stacked weights
+            assert_close_outputs(compiled(*second), module(*second), torch.float32)
+        assert_close_outputs(compiled(*first), ref_first, torch.float32)
+        assert_close_outputs(out_first, ref_first, torch.float32)
+
+        new_state = drafts.qwen3_context_kv(3, seed=7).state_dict()
+        module.load_state_dict(new_state)  # in-place copies into the (re-homed) parameters
+        ref_new = module(*first)
+        assert not torch.allclose(ref_new[0], ref_first[0])
+        assert_close_outputs(compiled(*first), ref_new, torch.float32)
+
+        replacement = torch.randn_like(module.layers[1].v_proj.weight)
+        module.layers[1].v_proj.weight = nn.Parameter(replacement)  # a new tensor, not an in-place update
+        assert_close_outputs(compiled(*first), module(*first), torch.float32)
+        assert torch.equal(module.layers[1].v_proj.weight, replacement)
+
+
+def test_freezing_with_backend():
+    module = drafts.qwen3_context_kv(3)
+    inputs = drafts.example_inputs(module, seq_len=5)
+    records = []
+    with torch.no_grad(), RecordSink.collect(records):
+        ref = module(*inputs)
+        got = torch.compile(module, backend="fx_fusion", options={"freezing": True})(*inputs)
+    assert_close_outputs(got, ref, torch.float32)
+    assert records[0].stage == "joint" and records[0].fused_groups[0].n_layers == 3
+
+
+def test_pass_uuid_is_stable_and_option_dependent():
+    assert fx_fusion.FusedKVPass().uuid() == fx_fusion.FusedKVPass().uuid()
+    assert fx_fusion.FusedKVPass(min_layers=3).uuid() != fx_fusion.FusedKVPass().uuid()
+
+
+def test_fx_graph_cache_serves_the_rewritten_graph(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    module = drafts.qwen3_context_kv(2)
+    inputs = drafts.example_inputs(module, seq_len=4)
+    counters = torch._dynamo.utils.counters
+    with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=True, fx_graph_remote_cache=False):
+        ref = module(*inputs)
+        counters.clear()
+        assert_close_outputs(torch.compile(module, backend="fx_fusion")(*inputs), ref, torch.float32)
+        assert counters["inductor"]["fxgraph_cache_miss"] == 1
+        torch._dynamo.reset()
+        assert_close_outputs(torch.compile(module, backend="fx_fusion")(*inputs), ref, torch.float32)
+        assert counters["inductor"]["fxgraph_cache_hit"] == 1
+
+
+def test_disable_option_leaves_graph_alone():
+    module = drafts.llama_context_kv(2)
+    inputs = drafts.example_inputs(module, seq_len=4)
+    records = []
+    with torch.no_grad(), RecordSink.collect(records):
+        got = torch.compile(module, backend="fx_fusion", options={"disable": True})(*inputs)
+        assert_close_outputs(got, module(*inputs), torch.float32)
+    assert records == []
+
+
+def test_shape_guard_fires_when_compiled_op_gets_2d_input():
+    kv = torch.randn(4, 2 * 2 * 16)
+    cache = torch.randn(8, 16)
+
+    def materialize(kv, cache, positions):
+        return fx_fusion.fused_norm_rope_stacked(kv, torch.ones(1, 16), torch.full((1,), 1e-6), cache, positions, 2, 16, 16)
+
+    message = "Invalid stacked fused KV projection shape: got (4, 64), expected 3D [total_ctx, n_layers, kv_size*2]."
+    with pytest.raises(Exception, match=re.escape(message)):
+        torch.compile(materialize, backend="fx_fusion", fullgraph=True)(kv, cache, torch.arange(4))
