@@ -17,12 +17,15 @@ shapes, one compile per T; torch._dynamo.reset() between compiled variants):
     hand_graph     the same, CUDA-graphed
     sglang_graph   HandFusedContextKV(rope="cache"): SGLang's exact form (one fp32 cos_sin_cache + positions
                    instead of per-token cos/sin computed per call), CUDA-graphed
-    fxf            torch.compile(m, backend="fx_fusion")
+    fxf            torch.compile(m, backend="fx_fusion")  (options min_layers=--fxf-min-layers, default 1;
+                   the pass's fused-layer count is recorded, and "nf" marks a compile where it fused nothing)
     fxf_graph      the same, CUDA-graphed
     fxf_frz        torch.compile(m, backend="fx_fusion") with freezing
     fxf_frz_graph  the same, CUDA-graphed
     floor          max(bytes / copy bandwidth, flops / matmul rate); bytes = x + all K/V weights (+biases)
                    + K and V outputs, flops = 2*T*hidden*L*2*kv; both ceilings measured in this run
+                   (fastest do_bench call of a 1 GiB device-to-device copy, read+write bytes, and of a
+                   bf16 8192^3 matmul on random data)
 
 "CUDA-graphed" is --graph manual (default): after warm-up the compiled (or eager) callable is captured
 once into a torch.cuda.CUDAGraph with static inputs and only graph.replay() is timed; --graph
@@ -98,12 +101,12 @@ class Timer:
         self.warmup = warmup
         self.rep = rep
 
-    def __call__(self, fn: Callable[[], Any]) -> float:
-        """Median microseconds per call."""
+    def __call__(self, fn: Callable[[], Any], return_mode: str = "median") -> float:
+        """Median (or return_mode's) microseconds per call."""
         if self.device.type == "cuda":
             from triton.testing import do_bench
 
-            return float(do_bench(fn, warmup=self.warmup, rep=self.rep, return_mode="median")) * 1e3
+            return float(do_bench(fn, warmup=self.warmup, rep=self.rep, return_mode=return_mode)) * 1e3
         # CPU fallback (smoke runs only): median of wall-clock calls within ~rep ms.
         for _ in range(2):
             fn()
@@ -164,13 +167,13 @@ def measure_ceilings(timer: Timer, device: torch.device) -> dict[str, float]:
     big = (1 << 30) if device.type == "cuda" else (1 << 26)  # bytes per buffer
     src = torch.empty(big // 2, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
-    t_copy = timer(lambda: dst.copy_(src))
+    t_copy = timer(lambda: dst.copy_(src), return_mode="min")  # ceilings: the best call
     copy_bw = 2 * big / (t_copy * 1e-6)  # read + write bytes per second
     del src, dst
     n = 8192 if device.type == "cuda" else 1024
     a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    t_mm = timer(lambda: torch.mm(a, b))
+    t_mm = timer(lambda: torch.mm(a, b), return_mode="min")
     mm_rate = 2 * n**3 / (t_mm * 1e-6)
     del a, b
     if device.type == "cuda":
@@ -197,9 +200,14 @@ def floor_us(model, seq_len: int, batch: int, ceilings: dict[str, float]) -> dic
 # Column families
 
 
-def fx_fusion_backend():
-    """'fx_fusion' if registered as a dynamo backend name, else the backend callable itself."""
-    import fx_fusion.backend as backend_module
+def fx_fusion_backend(min_layers: int | None = None):
+    """The fx_fusion backend: its registered name, or (with options) the callable with options bound."""
+    import functools
+
+    import fx_fusion.backend as backend_module  # registers "fx_fusion" when no entry point did
+
+    if min_layers is not None:
+        return functools.partial(backend_module.fx_fusion_backend, options={"min_layers": min_layers})
     from torch._dynamo.backends.registry import lookup_backend
 
     try:
@@ -207,6 +215,38 @@ def fx_fusion_backend():
         return "fx_fusion"
     except Exception:
         return backend_module.fx_fusion_backend
+
+
+@contextlib.contextmanager
+def collect_pass_records(enabled: bool):
+    """Collect the fx_fusion pass's PassRecords emitted inside the block (empty list if unavailable)."""
+    records: list = []
+    if not enabled:
+        yield records
+        return
+    try:
+        from fx_fusion.diagnostics import RecordSink
+    except Exception:
+        yield records
+        return
+    with RecordSink.collect(records):
+        yield records
+
+
+def pass_summary(records: list) -> dict[str, Any]:
+    fused = 0
+    groups = 0
+    for record in records:
+        for group in getattr(record, "fused_groups", []):
+            groups += 1
+            fused += int(getattr(group, "n_layers", 0))
+    rejected = sum(len(getattr(r, "rejected", [])) for r in records)
+    return {
+        "fused_layers": fused if records else None,  # None: the pass reported nothing (did not run)
+        "fused_groups": groups,
+        "rejected": rejected,
+        "summaries": [r.summary() for r in records if hasattr(r, "summary")],
+    }
 
 
 class Bench:
@@ -246,6 +286,8 @@ class Bench:
             (lambda: torch._inductor.config.patch(freezing=True)) if freezing else contextlib.nullcontext
         )
 
+        is_fxf = plain.startswith("fxf")
+
         def compile_and_warm(mode: str | None):
             torch._dynamo.reset()
             backend = backend_fn()
@@ -253,13 +295,23 @@ class Bench:
             if mode is not None:
                 kwargs["mode"] = mode
             compiled = torch.compile(model, **kwargs)
-            with freeze_ctx():
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(freeze_ctx())
+                if is_fxf:  # compile afresh so the pass runs here and reports what it fused
+                    stack.enter_context(torch._inductor.config.patch(fx_graph_cache=False))
+                    stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
+                records = stack.enter_context(collect_pass_records(is_fxf))
                 for _ in range(3):
                     if mode == "reduce-overhead":
                         torch.compiler.cudagraph_mark_step_begin()
                     compiled(x, pos)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
+            if is_fxf:
+                info = pass_summary(records)
+                holder["pass"] = info
+                log(f"{tag} {'':>13}  fx_fusion pass: fused {info['fused_layers']} layers in "
+                    f"{info['fused_groups']} group(s), {info['rejected']} rejected")
             return compiled
 
         holder: dict[str, Any] = {}
@@ -271,6 +323,8 @@ class Bench:
 
         if want_plain:
             self._run_column(row, tag, plain, make_plain, ref)
+            if "pass" in holder:
+                row[plain]["pass"] = holder["pass"]
         if want_graph:
             if self.args.graph == "manual":
 
@@ -295,6 +349,8 @@ class Bench:
                     return call
 
             self._run_column(row, tag, graphed, make_graphed, ref)
+            if "pass" in holder:
+                row[graphed]["pass"] = holder["pass"]
         holder.clear()
         torch._dynamo.reset()
         gc.collect()
@@ -333,8 +389,9 @@ class Bench:
         hand_column("hand_graph", hand, graphed=True)
         hand_column("sglang_graph", hand_cache, graphed=True)
 
-        self._compiled_family(row, tag, model, x, pos, ref, fx_fusion_backend, False, "fxf", "fxf_graph")
-        self._compiled_family(row, tag, model, x, pos, ref, fx_fusion_backend, True, "fxf_frz", "fxf_frz_graph")
+        fxf = lambda: fx_fusion_backend(self.args.fxf_min_layers)  # noqa: E731
+        self._compiled_family(row, tag, model, x, pos, ref, fxf, False, "fxf", "fxf_graph")
+        self._compiled_family(row, tag, model, x, pos, ref, fxf, True, "fxf_frz", "fxf_frz_graph")
         del ref, x, pos
         gc.collect()
         if self.device.type == "cuda":
@@ -354,6 +411,8 @@ def format_cell(cell: dict | None, floor: float | None) -> str:
         text += f" ({us / floor:.1f}x)"
     if not cell.get("ok", True):
         text = f"FAIL {text}"
+    if cell.get("pass") is not None and cell["pass"].get("fused_layers") == 0:
+        text += " nf"
     return text
 
 
@@ -372,7 +431,10 @@ def markdown(results: dict, meta: dict, columns: list[str]) -> str:
             f"Ceilings measured in this run: copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), "
             f"bf16 matmul {c['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s."
         )
-    lines.append("Cells: median us (ratio to the floor). FAIL: outputs differ from eager (rel. error >= 2e-2).")
+    lines.append(
+        "Cells: median us (ratio to the floor). FAIL: outputs differ from eager (rel. error >= 2e-2). "
+        "nf: the fx_fusion pass fused nothing in that compile (plain Inductor)."
+    )
     lines.append("")
     header = ["workload", "T", *columns, "floor"]
     lines.append("| " + " | ".join(header) + " |")
@@ -426,6 +488,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", help="cuda (default); cpu only for smoke runs")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", default="bench_out", help="folder for bench_module.json / bench_module.md")
+    parser.add_argument(
+        "--fxf-min-layers", type=int, default=1,
+        help="the pass's min_layers option for the fxf columns (default 1, so the 1-layer workload is fused "
+        "too; -1: the backend's own default)",
+    )
     parser.add_argument("--verbose", action="store_true", help="print full tracebacks of failing columns")
     parser.add_argument(
         "--max-minutes", type=float, default=None,
@@ -433,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
+    if args.fxf_min_layers is not None and args.fxf_min_layers < 0:
+        args.fxf_min_layers = None
     if args.seq_lens:
         seq_lens = [int(t) for t in args.seq_lens.split(",") if t]
     else:

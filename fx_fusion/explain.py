@@ -453,7 +453,9 @@ def explain(
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch._inductor.config.patch(fx_graph_cache=False, fx_graph_remote_cache=False))
-            stack.enter_context(torch.compiler.config.patch(force_disable_caches=True))
+            stack.enter_context(
+                torch._functorch.config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False)
+            )
             stack.enter_context(RecordSink.collect(records))
             stack.enter_context(warnings.catch_warnings())
             warnings.filterwarnings("ignore", message=".*You are trying to debug `torch.compile`.*")

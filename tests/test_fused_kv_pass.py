@@ -83,9 +83,10 @@ def test_context_kv_fused_and_exact(device, family, n_layers, dtype):
     assert counting.after[aten.rsqrt.default] == 0 and counting.after[aten.neg.default] == 0
 
 
-def test_bias_fused_kv_linear_and_backend():
+@pytest.mark.parametrize("device", DEVICES)
+def test_bias_through_backend(device):
     """Qwen2-style K/V bias through the registered backend; V outputs are views of the stacked GEMM."""
-    module = drafts.qwen3_context_kv(3, attention_bias=True)
+    module = drafts.qwen3_context_kv(3, attention_bias=True, device=device)
     inputs = drafts.example_inputs(module, seq_len=5)
     records = []
     with torch.no_grad(), RecordSink.collect(records):
@@ -128,11 +129,12 @@ class FusedKVLinearContext(nn.Module):
         return tuple(outs)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_fused_kv_linear_partial_and_interleaved_rotary(interleaved):
+def test_fused_kv_linear_partial_and_interleaved_rotary(device, interleaved):
     torch.manual_seed(0)
-    module = FusedKVLinearContext(interleaved=interleaved)
-    x, cos, sin = torch.randn(2, 5, 48), torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    module = FusedKVLinearContext(interleaved=interleaved).to(device)
+    x, cos, sin = (torch.randn(2, 5, n, device=device) for n in (48, 8, 8))
     with torch.no_grad():
         ref = module(x, cos, sin)
         compiled, counting = compile_counting(module)
@@ -209,7 +211,7 @@ class VariantContext(nn.Module):
 def test_deviating_layer_left_alone_with_reason(variant, reason):
     torch.manual_seed(0)
     module = VariantContext(variant)
-    x, positions = torch.randn(1, 6, 64), torch.arange(6)[None] + 2
+    x, positions = torch.randn(1, 6, 64), torch.arange(6)[None] + 2  # CPU only: graph structure, not device
     with torch.no_grad():
         ref = module(x, positions)
         compiled, counting = compile_counting(module)
@@ -241,8 +243,9 @@ def test_single_layer_needs_min_layers_option():
         assert counting.records[0].fused_groups[0].n_layers == 1
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("make_layer", ["qwen3", "llama"])
-def test_full_decoder_layer_matches_eager(make_layer):
+def test_full_decoder_layer_matches_eager(device, make_layer):
     if make_layer == "qwen3":
         config = Qwen3Config(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=1)
         layer, rotary = Qwen3DecoderLayer(config, 0), Qwen3RotaryEmbedding(config)
@@ -250,8 +253,8 @@ def test_full_decoder_layer_matches_eager(make_layer):
         config = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1)
         layer, rotary = LlamaDecoderLayer(config, 0), LlamaRotaryEmbedding(config)
     config._attn_implementation = "sdpa"
-    layer.eval()
-    x, positions = torch.randn(1, 6, 64), torch.arange(6)[None]
+    layer, rotary = layer.eval().to(device), rotary.to(device)
+    x, positions = torch.randn(1, 6, 64, device=device), torch.arange(6, device=device)[None]
     with torch.no_grad():
         cos_sin = rotary(x, positions)
         ref = layer(x, attention_mask=None, position_embeddings=cos_sin)
@@ -260,11 +263,12 @@ def test_full_decoder_layer_matches_eager(make_layer):
         )
     ref = ref[0] if isinstance(ref, tuple) else ref
     got = got[0] if isinstance(got, tuple) else got
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
-def test_dynamic_seq_len_does_not_recompile():
-    module = drafts.qwen3_context_kv(3)
+@pytest.mark.parametrize("device", DEVICES)
+def test_dynamic_seq_len_does_not_recompile(device):
+    module = drafts.qwen3_context_kv(3, device=device)
     counter = torch._dynamo.testing.CompileCounterWithBackend("fx_fusion")
     compiled = torch.compile(module, backend=counter, dynamic=True)
     with torch.no_grad():
@@ -274,9 +278,10 @@ def test_dynamic_seq_len_does_not_recompile():
     assert counter.frame_count == 1
 
 
-def test_seq_len_one_with_unbacked_size_does_not_recompile():
+@pytest.mark.parametrize("device", DEVICES)
+def test_seq_len_one_with_unbacked_size_does_not_recompile(device):
     """dynamo specializes sizes 0/1 even with dynamic=True; mark the token dim unbacked to cover T=1."""
-    module = drafts.qwen3_context_kv(2)
+    module = drafts.qwen3_context_kv(2, device=device)
     counter = torch._dynamo.testing.CompileCounterWithBackend("fx_fusion")
     compiled = torch.compile(module, backend=counter)
     with torch.no_grad():
@@ -288,9 +293,13 @@ def test_seq_len_one_with_unbacked_size_does_not_recompile():
     assert counter.frame_count == 1
 
 
-def test_weights_changed_after_compile_and_cache_never_corrupted():
-    module = drafts.qwen3_context_kv(3)
-    compiled = torch.compile(module, backend="fx_fusion")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_weights_changed_after_compile_and_cache_never_corrupted(device, mode):
+    if mode == "reduce-overhead" and device != "cuda":
+        pytest.skip("CUDA graphs need a CUDA device")
+    module = drafts.qwen3_context_kv(3, device=device)
+    compiled = torch.compile(module, backend="fx_fusion", mode=mode)
     first = drafts.example_inputs(module, seq_len=5, seed=1)
     second = drafts.example_inputs(module, seq_len=5, seed=2)
     with torch.no_grad():
@@ -301,7 +310,7 @@ def test_weights_changed_after_compile_and_cache_never_corrupted():
         assert_close_outputs(compiled(*first), ref_first, torch.float32)
         assert_close_outputs(out_first, ref_first, torch.float32)
 
-        new_state = drafts.qwen3_context_kv(3, seed=7).state_dict()
+        new_state = drafts.qwen3_context_kv(3, seed=7, device=device).state_dict()
         module.load_state_dict(new_state)  # in-place copies into the (re-homed) parameters
         ref_new = module(*first)
         assert not torch.allclose(ref_new[0], ref_first[0])
@@ -313,8 +322,9 @@ def test_weights_changed_after_compile_and_cache_never_corrupted():
         assert torch.equal(module.layers[1].v_proj.weight, replacement)
 
 
-def test_freezing_with_backend():
-    module = drafts.qwen3_context_kv(3)
+@pytest.mark.parametrize("device", DEVICES)
+def test_freezing_with_backend(device):
+    module = drafts.qwen3_context_kv(3, device=device)
     inputs = drafts.example_inputs(module, seq_len=5)
     records = []
     with torch.no_grad(), RecordSink.collect(records):
@@ -364,3 +374,16 @@ def test_shape_guard_fires_when_compiled_op_gets_2d_input():
     message = "Invalid stacked fused KV projection shape: got (4, 64), expected 3D [total_ctx, n_layers, kv_size*2]."
     with pytest.raises(Exception, match=re.escape(message)):
         torch.compile(materialize, backend="fx_fusion", fullgraph=True)(kv, cache, torch.arange(4))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reduce_overhead_replays_fused_graph(dtype):
+    module = drafts.qwen3_context_kv(4, dtype=dtype, device="cuda")
+    compiled = torch.compile(module, backend="fx_fusion", mode="reduce-overhead")
+    records = []
+    with torch.no_grad(), RecordSink.collect(records):
+        for seed in range(4):  # warm-up, record, then replays with fresh inputs
+            inputs = drafts.example_inputs(module, batch=2, seq_len=9, seed=seed)
+            assert_close_outputs(compiled(*inputs), module(*inputs), dtype)
+    assert records[0].fused_groups[0].n_layers == 4

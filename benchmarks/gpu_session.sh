@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One GPU session: CUDA tests, the memory checker on the kernel, and both benchmarks.
+#   OUT=/some/dir bash benchmarks/gpu_session.sh [tests] [sanitize] [bench_op] [bench_module] [bench_module_quick]
+# Runs from a source checkout without installing (fx_fusion finds kernels/ beside it); logs go to $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests sanitize bench_op bench_module)
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
+python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
+for step in "${steps[@]}"; do
+  echo "=== $step $(date +%T)"
+  case "$step" in
+    tests) timeout 420 python -m pytest -q -x -p no:cacheprovider -k "cuda or reduce_overhead" tests 2>&1 | tail -n 60 > "$OUT/pytest_cuda.log"; tail -n 3 "$OUT/pytest_cuda.log" ;;
+    sanitize) (cd tests && timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 python gpu_sanitize_cases.py) > "$OUT/sanitizer.log" 2>&1; echo "sanitizer exit $?"; tail -n 5 "$OUT/sanitizer.log" ;;
+    bench_op) timeout 300 python benchmarks/bench_op.py --out "$OUT" 2>&1 | tail -n 30 ;;
+    bench_module) timeout 540 python benchmarks/bench_module.py --out "$OUT" 2>&1 | tail -n 60 ;;
+    bench_module_quick) timeout 400 python benchmarks/bench_module.py --quick --out "$OUT" 2>&1 | tail -n 40 ;;
+  esac
+done
