@@ -28,6 +28,8 @@ from typing import Any, Callable, Optional
 from unittest import mock
 
 import torch
+import torch._functorch.config
+import torch._inductor.config
 import torch.fx
 
 from . import backend as _backend_module
@@ -127,7 +129,8 @@ class FusionReport:
         if self.notes:
             lines += [""] + [f"note: {n}" for n in self.notes]
         if self.files:
-            lines += ["", "Files written:"] + [f"  {f}" for f in self.files]
+            folders = sorted({os.path.dirname(f) or "." for f in self.files})
+            lines += ["", f"{len(self.files)} file(s) written to {', '.join(folders)} (report.files)"]
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:

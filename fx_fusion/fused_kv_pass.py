@@ -119,9 +119,10 @@ def _group_key(branch: KBranch) -> tuple:
         ("cos/sin shape", str(val(rotary.cos).shape)),
         ("k_norm", norm is not None),
         ("eps", eps),
-        ("bias", proj.bias is not None),
-        ("projection width", proj.out_features),
+        ("bias", bool(proj.biases)),
+        ("projection width", proj.layer_width),
         ("K column in projection", branch.source.col_start),
+        ("stacked projection", proj.node if proj.n_layers > 1 else None),
     )
 
 
@@ -133,12 +134,22 @@ def _describe_difference(key: tuple, group_key: tuple) -> str:
 def _find_candidates(graph: torch.fx.Graph, record: PassRecord):
     """Projections grouped by their input, K branches found on them, and rejected K-like branches."""
     by_input: dict = collections.defaultdict(lambda: {"projections": [], "branches": []})
+    concatenated = {}
     for node in graph.nodes:
-        if not is_call(node, *kv_patterns.PROJECTION_OPS):
-            continue
         try:
-            projection = kv_patterns.match_projection(node)
+            concatenated[node] = kv_patterns.match_concat_projection(node)
         except NoMatch:
+            pass
+    parts = {part for projection in concatenated.values() for part in projection.parts}
+    for node in graph.nodes:
+        if node in concatenated:
+            projection = concatenated[node]
+        elif is_call(node, *kv_patterns.PROJECTION_OPS) and node not in parts:
+            try:
+                projection = kv_patterns.match_projection(node)
+            except NoMatch:
+                continue
+        else:
             continue
         entry = by_input[(kv_patterns.base_of(projection.x2d), str(val(projection.x2d).shape))]
         entry["projections"].append(projection)
@@ -162,7 +173,7 @@ def fuse_kv_groups(graph: torch.fx.Graph, min_layers: int = 2) -> PassRecord:
         keyed = collections.defaultdict(list)
         for branch in branches:
             keyed[_group_key(branch)].append(branch)
-        ordered = sorted(keyed.items(), key=lambda kv: -len(kv[1]))
+        ordered = sorted(keyed.items(), key=lambda kv: -sum(b.n_layers for b in kv[1]))
         main_key = ordered[0][0]
         for key, members in ordered:
             if key != main_key:
@@ -170,20 +181,23 @@ def fuse_kv_groups(graph: torch.fx.Graph, min_layers: int = 2) -> PassRecord:
                     reason = _describe_difference(key, main_key)
                     record.rejected.append(Rejection(reason, node_location(branch.projection.node)))
                 continue
-            if len(members) < min_layers:
+            n_layers = sum(b.n_layers for b in members)
+            if n_layers < min_layers:
                 for branch in members:
-                    reason = f"only {len(members)} matching layer(s) share this input; min_layers={min_layers}"
+                    reason = f"only {n_layers} matching layer(s) share this input; min_layers={min_layers}"
                     record.rejected.append(Rejection(reason, node_location(branch.projection.node)))
                 continue
             used = {b.projection.node for b in members}
-            width = members[0].features
+            first = members[0].projection
             extra = [
                 p
                 for p in entry["projections"]
                 if p.node not in used
-                and p.out_features == width
-                and (p.bias is None) == (members[0].projection.bias is None)
-                and val(p.node).dtype == val(members[0].projection.node).dtype
+                and p.n_layers == 1
+                and first.n_layers == 1
+                and p.out_features == members[0].features
+                and bool(p.biases) == bool(first.biases)
+                and val(p.node).dtype == val(first.node).dtype
                 and not p.weight_transposed
             ]
             try:
@@ -199,22 +213,27 @@ def fuse_kv_groups(graph: torch.fx.Graph, min_layers: int = 2) -> PassRecord:
     return record
 
 
-def _per_token_rotary_table(builder: _GraphBuilder, table: torch.fx.Node, branch: KBranch) -> torch.fx.Node:
-    """cos or sin as [tokens, rotary_dim], tokens in projection-row order (a view when possible)."""
+def _check_rotary_table(table: torch.fx.Node, branch: KBranch) -> None:
+    """cos/sin must vary with the token only: size 1 on the head (and layer) axis, full size on token axes."""
     k_shape = val(branch.rotary.out).shape
-    rank = len(k_shape)
-    shape = list(val(table).shape)
-    node = table
-    for _ in range(rank - len(shape)):
-        node = builder.call(aten.unsqueeze.default, node, 0)
-    shape = [1] * (rank - len(shape)) + shape
+    shape = [1] * (len(k_shape) - len(val(table).shape)) + list(val(table).shape)
     heads = branch.heads
-    if not statically_known_true(shape[heads.head_axis] == 1):
-        raise NoMatch("cos/sin differ between heads")
+    for axis in (heads.head_axis, heads.layer_axis):
+        if axis is not None and not statically_known_true(shape[axis] == 1):
+            raise NoMatch("cos/sin differ between heads or layers")
     for axis in heads.token_axes:
         if not statically_known_true(shape[axis] == k_shape[axis]):
             raise NoMatch("cos/sin are broadcast across tokens (one row shared by several tokens)")
-    order = heads.token_axes + [heads.head_axis, rank - 1]
+
+
+def _per_token_rotary_table(builder: _GraphBuilder, table: torch.fx.Node, branch: KBranch) -> torch.fx.Node:
+    """cos or sin as [tokens, rotary_dim], tokens in projection-row order (a view when possible)."""
+    rank = len(val(branch.rotary.out).shape)
+    node = table
+    for _ in range(rank - len(val(table).shape)):
+        node = builder.call(aten.unsqueeze.default, node, 0)
+    heads = branch.heads
+    order = heads.token_axes + [a for a in (heads.layer_axis, heads.head_axis) if a is not None] + [rank - 1]
     if order != list(range(rank)):
         node = builder.call(aten.permute.default, node, order)
     return builder.call(aten.reshape.default, node, [-1, branch.rotary.rotary_dim])
@@ -251,32 +270,47 @@ def _rewrite_group(graph, fake_mode, branches: list[KBranch], extra: list[Projec
     for projection in projections:
         offsets[projection.node] = column
         column += projection.out_features
-    k_columns = [offsets[b.projection.node] + b.source.col_start for b in branches]
-    n_layers = len(branches)
-    step = k_columns[1] - k_columns[0] if n_layers > 1 else first.features
-    if any(c != k_columns[0] + i * step for i, c in enumerate(k_columns)) or step < first.features:
+    # First projection column of each layer's K, in layer order; the fused op reads them as a strided
+    # [tokens, n_layers, kv_size] view, so they must be evenly spaced.
+    col_start, features = first.source.col_start, first.features
+    k_columns = [
+        offsets[b.projection.node] + layer * b.projection.layer_width + col_start
+        for b in branches
+        for layer in range(b.n_layers)
+    ]
+    n_layers = len(k_columns)
+    step = k_columns[1] - k_columns[0] if n_layers > 1 else first.projection.layer_width
+    block_start = k_columns[0] - col_start
+    if (
+        any(c != k_columns[0] + i * step for i, c in enumerate(k_columns))
+        or col_start + features > step
+        or block_start + n_layers * step > column
+    ):
         raise NoMatch("K columns of the stacked projection are not evenly spaced")
 
     x2d = min((p.x2d for p in projections), key=lambda n: list(graph.nodes).index(n))
     norm_weights = [b.norm.weight for b in branches] if first.norm else []
-    eps_nodes = [b.norm.eps for b in branches if first.norm and isinstance(b.norm.eps, torch.fx.Node)]
+    eps_nodes = [b.norm.eps for b in branches for _ in range(b.n_layers) if first.norm and isinstance(b.norm.eps, torch.fx.Node)]
     inputs = [x2d, first.rotary.cos, first.rotary.sin, *norm_weights, *eps_nodes]
-    inputs += [p.weight for p in projections] + [p.bias for p in projections if p.bias is not None]
+    inputs += [w for p in projections for w in p.weights + p.biases]
     replaced = {p.node for p in projections} | {b.output for b in branches}
     if _depends_on([x2d, first.rotary.cos, first.rotary.sin, *eps_nodes], replaced):
         raise NoMatch("the group's inputs depend on its own outputs")
+    _check_rotary_table(first.rotary.cos, first)
+    _check_rotary_table(first.rotary.sin, first)
     before = _region_text(graph, projections, branches)
 
     builder = _GraphBuilder(graph, fake_mode)
     with graph.inserting_after(_insertion_point(graph, inputs)):
-        biases = [p.bias for p in projections] if first.projection.bias is not None else []
-        proj = builder.call(torch.ops.fx_fusion.stacked_linear.default, x2d, [p.weight for p in projections], biases)
-        k_block = builder.call(aten.slice.Tensor, proj, 1, k_columns[0], k_columns[0] + n_layers * step)
+        weights = [w for p in projections for w in p.weights]
+        biases = [b for p in projections for b in p.biases]
+        proj = builder.call(torch.ops.fx_fusion.stacked_linear.default, x2d, weights, biases)
+        k_block = builder.call(aten.slice.Tensor, proj, 1, block_start, block_start + n_layers * step)
         k_block = builder.call(aten.view.default, k_block, [-1, n_layers, step])
-        k_proj = builder.call(aten.slice.Tensor, k_block, 2, 0, first.features)
+        k_proj = builder.call(aten.slice.Tensor, k_block, 2, col_start, col_start + features)
         eps_value, eps_tensor = 0.0, None
         if first.norm is not None:
-            if eps_nodes:
+            if eps_nodes:  # eps arrives as a tensor (dynamic floats): gather one per layer
                 eps32 = [builder.call(torch.ops.prims.convert_element_type.default, e, torch.float32) for e in eps_nodes]
                 eps_tensor = builder.call(aten.cat.default, [builder.call(aten.view.default, e, [1]) for e in eps32])
             else:
@@ -297,14 +331,19 @@ def _rewrite_group(graph, fake_mode, branches: list[KBranch], extra: list[Projec
             first.rotary.rotary_dim,
             first.rotary.interleaved,
         )
-        new_outputs = []
-        for layer, branch in enumerate(branches):
-            k_layer = builder.call(aten.select.int, k_all, 0, layer)
-            k_layer = builder.call(aten.reshape.default, k_layer, [-1, branch.features])
+        new_outputs, layer = [], 0
+        for branch in branches:
+            if branch.n_layers == 1:  # [tokens, H, D] of this layer
+                k_branch = builder.call(aten.select.int, k_all, 0, layer)
+            else:  # stacked spelling: [tokens, n_layers, H, D]
+                k_branch = builder.call(aten.slice.Tensor, k_all, 0, layer, layer + branch.n_layers)
+                k_branch = builder.call(aten.permute.default, k_branch, [1, 0, 2, 3])
+            layer += branch.n_layers
+            k_branch = builder.call(aten.reshape.default, k_branch, [-1, branch.n_layers * features])
             if branch.source.token_shape is not None:
-                k_layer = builder.call(aten.reshape.default, k_layer, branch.source.token_shape + [branch.features])
-            k_layer = builder.replay(branch.layout_before_norm + branch.layout_after_norm, k_layer)
-            new_outputs.append((branch.output, k_layer))
+                k_branch = builder.call(aten.reshape.default, k_branch, branch.source.token_shape + [features])
+            k_branch = builder.replay(branch.layout_before_norm + branch.layout_after_norm, k_branch)
+            new_outputs.append((branch.output, k_branch))
         pieces = []
         for projection in projections:
             start = offsets[projection.node]
@@ -320,7 +359,7 @@ def _rewrite_group(graph, fake_mode, branches: list[KBranch], extra: list[Projec
         rotary_dim=first.rotary.rotary_dim,
         rotary_style="interleaved" if first.rotary.interleaved else "neox",
         k_norm=first.norm is not None,
-        bias=first.projection.bias is not None,
+        bias=bool(first.projection.biases),
         v_as_view=len(projections) - len({b.projection.node for b in branches}),
         layers=[node_location(b.projection.node) for b in branches],
     )

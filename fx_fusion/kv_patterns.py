@@ -88,13 +88,23 @@ def is_weight_input(node) -> bool:
 
 @dataclasses.dataclass
 class Projection:
-    """A linear whose output rows are tokens: out = x2d @ weight.T (+ bias)."""
+    """Linears whose output rows are tokens: out = x2d @ W.T (+ b), or such outputs concatenated.
 
-    node: torch.fx.Node  # the mm / addmm
+    A plain mm/addmm has one weight. `torch.stack([linear_l(x) for l], dim=1)`, which Inductor spells
+    `cat([mm_0, mm_1, ...], 1)`, is one Projection over n_layers weights of layer_width rows each.
+    """
+
+    node: torch.fx.Node  # the mm / addmm, or the cat of several
     x2d: torch.fx.Node
-    weight: torch.fx.Node  # [out_features, hidden] (placeholder or get_attr)
-    weight_transposed: bool  # True when `weight` is stored [hidden, out_features] (folded constant)
-    bias: Optional[torch.fx.Node]
+    weights: list[torch.fx.Node]  # each [layer_width, hidden] (placeholder or get_attr)
+    biases: list[torch.fx.Node]  # [] or one [layer_width] per weight
+    weight_transposed: bool  # True when a weight is stored [hidden, out_features] (folded constant)
+    n_layers: int = 1
+    parts: tuple = ()  # the mm nodes of a concatenated projection
+
+    @property
+    def layer_width(self) -> int:
+        return self.out_features // self.n_layers
 
     @property
     def out_features(self) -> int:
@@ -112,11 +122,37 @@ def match_projection(node: torch.fx.Node) -> Projection:
             raise NoMatch("projection bias is computed in the graph, not a parameter")
     else:
         raise NoMatch("not a linear projection")
+    biases = [bias] if bias is not None else []
     if is_call(rhs, aten.permute.default) and list(rhs.args[1]) == [1, 0] and is_weight_input(rhs.args[0]):
-        return Projection(node, x2d, rhs.args[0], False, bias)
+        return Projection(node, x2d, [rhs.args[0]], biases, False)
     if is_weight_input(rhs) and rhs.op == "get_attr":
-        return Projection(node, x2d, rhs, True, bias)
+        return Projection(node, x2d, [rhs], biases, True)
     raise NoMatch("projection weight is computed in the graph, not a parameter")
+
+
+def match_concat_projection(node: torch.fx.Node) -> Projection:
+    """cat([linear_0(x2d), linear_1(x2d), ...], dim=1) of equal widths: the stacked spelling."""
+    if not is_call(node, aten.cat.default) or len(val(node).shape) != 2:
+        raise NoMatch("not a concatenation of projections")
+    if (node.args[1] if len(node.args) > 1 else 0) % 2 != 1 or len(node.args[0]) < 2:
+        raise NoMatch("not a concatenation of projections")
+    parts = [match_projection(p) for p in node.args[0]]
+    first = parts[0]
+    for part in parts:
+        same_input = base_of(part.x2d) is base_of(first.x2d) and str(val(part.x2d).shape) == str(val(first.x2d).shape)
+        if not same_input or part.out_features != first.out_features or part.weight_transposed:
+            raise NoMatch("concatenated projections differ in input or width")
+        if bool(part.biases) != bool(first.biases) or len(part.node.users) != 1:
+            raise NoMatch("concatenated projections differ in bias or are used elsewhere")
+    return Projection(
+        node,
+        first.x2d,
+        [w for p in parts for w in p.weights],
+        [b for p in parts for b in p.biases],
+        False,
+        n_layers=len(parts),
+        parts=tuple(p.node for p in parts),
+    )
 
 
 def base_of(node: torch.fx.Node) -> torch.fx.Node:
@@ -141,7 +177,8 @@ def follow_layout(node: torch.fx.Node) -> tuple[list[torch.fx.Node], torch.fx.No
 @dataclasses.dataclass
 class RMSNorm:
     out: torch.fx.Node
-    weight: torch.fx.Node  # [head_dim]
+    weight: torch.fx.Node  # the weight parameter: [head_dim], or [n_layers, head_dim] in the stacked spelling
+    weight_shape: list[int]  # the weight as the norm broadcasts it (e.g. [n_layers, 1, head_dim])
     eps: Union[float, torch.fx.Node]
     width: int  # size of the normalised (last) dim
 
@@ -247,13 +284,21 @@ def match_rms_norm(x: torch.fx.Node) -> RMSNorm:
         is_call(weight, prims.convert_element_type.default) and is_call(weight.args[0], aten.add.Tensor)
     ):
         raise NoMatch("K norm scales by (1 + weight) (Gemma form), not supported")
-    if not is_weight_input(weight):
+    weight_shape = static_shape(weight)
+    parameter = base_of(weight)
+    if not is_weight_input(parameter) or any(not is_call(n, aten.unsqueeze.default, aten.view.default, aten.reshape.default) for n in _layout_chain(weight)):
         raise NoMatch("K norm weight is computed in the graph, not a parameter")
-    if static_shape(weight) != [width]:
-        raise NoMatch(f"K norm weight has shape {static_shape(weight)}, expected [{width}]")
     if val(weighted).dtype != in_dtype:
         raise NoMatch(f"K norm output is {val(weighted).dtype}, its input {in_dtype}")
-    return RMSNorm(out=weighted, weight=weight, eps=eps, width=width)
+    return RMSNorm(out=weighted, weight=parameter, weight_shape=weight_shape, eps=eps, width=width)
+
+
+def _layout_chain(node: torch.fx.Node) -> list[torch.fx.Node]:
+    chain = []
+    while is_call(node, *LAYOUT_OPS):
+        chain.append(node)
+        node = node.args[0]
+    return chain
 
 
 @dataclasses.dataclass
@@ -363,12 +408,13 @@ def _rotary_on(rotated_part: torch.fx.Node, rank: int) -> Optional[Rotary]:
 
 @dataclasses.dataclass
 class HeadLayout:
-    """How a branch tensor's axes relate to the projection: out[...] = proj[token, head*D + d]."""
+    """How a branch tensor's axes relate to the projection: out[...] = proj[token, layer*P + head*D + d]."""
 
     num_heads: int
     head_dim: int
     head_axis: int
     token_axes: list[int]  # axes of the tensor carrying tokens, outermost first
+    layer_axis: Optional[int] = None  # the axis enumerating layers (stacked spelling only)
 
 
 def replay(nodes: list[torch.fx.Node], start: torch.Tensor) -> torch.Tensor:
@@ -379,14 +425,33 @@ def replay(nodes: list[torch.fx.Node], start: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def head_layout(index: torch.Tensor, row_width: int, col_start: int, features: int, head_dim: int) -> HeadLayout:
-    """Read tokens/heads/head-dim axes off an index tensor (flat positions into the projection output).
+def _axis_step(t: torch.Tensor, axis: int) -> int:
+    if t.shape[axis] < 2:
+        return 0
+    return int(t.narrow(axis, 1, 1).flatten()[0] - t.narrow(axis, 0, 1).flatten()[0])
 
-    Raises NoMatch unless the tensor's last axis is exactly one head's `head_dim` features and one other
-    axis enumerates the heads.
+
+def _enumerating_axis(values: torch.Tensor, count: int, exclude: tuple = ()) -> Optional[int]:
+    """The one axis (not the last) along which `values` runs 0..count-1; None if count == 1 and none does."""
+    axes = [a for a in range(values.dim() - 1) if a not in exclude and _axis_step(values, a) != 0]
+    if len(axes) == 1 and values.shape[axes[0]] == count and _axis_step(values, axes[0]) == 1:
+        return axes[0]
+    if count == 1 and not axes:
+        return None
+    raise NoMatch("K heads/layers are not laid out along one axis each")
+
+
+def head_layout(index: torch.Tensor, source: "BranchSource", row_width: int, layer_width: int, n_layers: int, features: int, head_dim: int) -> HeadLayout:
+    """Read the token, layer, head and head-dim axes off an index tensor (flat positions into the projection).
+
+    Raises NoMatch unless the last axis is exactly one head's `head_dim` consecutive features, one axis
+    enumerates the heads (and one the layers, for a stacked projection), and the remaining axes are a
+    row-major split of the projection rows.
     """
     tokens = torch.div(index, row_width, rounding_mode="floor")
-    feature = index % row_width - col_start
+    within_row = index % row_width
+    layers = torch.div(within_row, layer_width, rounding_mode="floor")
+    feature = within_row % layer_width - source.col_start
     last = index.shape[-1]
     if last != head_dim or features % head_dim:
         raise NoMatch(f"normalised/rotated over {last} features, not per head ({head_dim})")
@@ -396,35 +461,25 @@ def head_layout(index: torch.Tensor, row_width: int, col_start: int, features: i
         raise NoMatch(f"last dim is not one head's {head_dim} consecutive features")
     heads = torch.div(feature, head_dim, rounding_mode="floor")
     num_heads = features // head_dim
-    rank = index.dim()
-
-    def step(t: torch.Tensor, axis: int) -> int:
-        if t.shape[axis] < 2:
-            return 0
-        return int(t.narrow(axis, 1, 1).flatten()[0] - t.narrow(axis, 0, 1).flatten()[0])
-
-    head_axes = [a for a in range(rank - 1) if step(heads, a) != 0]
-    if len(head_axes) != 1 or index.shape[head_axes[0]] != num_heads or step(heads, head_axes[0]) != 1:
-        if num_heads == 1 and not head_axes:
-            ones = [a for a in range(rank - 1) if index.shape[a] == 1 and step(tokens, a) == 0]
-            if not ones:
-                raise NoMatch("single-head K branch has no head axis")
-            head_axes = [ones[-1]]
-        else:
-            raise NoMatch("K heads are not laid out along one axis")
-    head_axis = head_axes[0]
-    token_axes = [a for a in range(rank - 1) if a != head_axis]
-    token_axes.sort(key=lambda a: -step(tokens, a))
+    layer_axis = _enumerating_axis(layers, n_layers)
+    head_axis = _enumerating_axis(heads, num_heads, exclude=(layer_axis,))
+    if head_axis is None:  # a single head: any size-1 axis that carries no tokens or layers serves
+        spare = [a for a in range(index.dim() - 1) if index.shape[a] == 1 and a != layer_axis]
+        if not spare:
+            raise NoMatch("single-head K branch has no head axis")
+        head_axis = spare[-1]
+    token_axes = [a for a in range(index.dim() - 1) if a not in (head_axis, layer_axis)]
+    token_axes.sort(key=lambda a: -_axis_step(tokens, a))
     expected = torch.zeros_like(tokens)
     stride = 1
     for axis in reversed(token_axes):
-        shape = [1] * rank
+        shape = [1] * index.dim()
         shape[axis] = index.shape[axis]
         expected = expected + torch.arange(index.shape[axis]).view(shape) * stride
         stride *= index.shape[axis]
     if not bool((tokens == expected).all()):
         raise NoMatch("K tokens are not a plain reshape of the projection rows")
-    return HeadLayout(num_heads, head_dim, head_axis, token_axes)
+    return HeadLayout(num_heads, head_dim, head_axis, token_axes, layer_axis)
 
 
 @dataclasses.dataclass
@@ -444,11 +499,28 @@ class KBranch:
         return self.heads.num_heads * self.heads.head_dim
 
     @property
+    def n_layers(self) -> int:
+        return self.projection.n_layers
+
+    @property
     def output(self) -> torch.fx.Node:
         return self.rotary.out
 
 
-def match_k_branch(projection: Projection, source: BranchSource) -> KBranch:
+def check_norm_weight(norm: RMSNorm, heads: HeadLayout, n_layers: int, rank: int) -> None:
+    """The norm weight must be one [head_dim] vector per layer, broadcast over tokens and heads."""
+    shape = [1] * (rank - len(norm.weight_shape)) + list(norm.weight_shape)
+    expected = [1] * rank
+    expected[-1] = heads.head_dim
+    if heads.layer_axis is not None:
+        expected[heads.layer_axis] = n_layers
+    parameter = static_shape(norm.weight)
+    per_layer = [heads.head_dim] if n_layers == 1 else [n_layers, heads.head_dim]
+    if shape != expected or parameter != per_layer:
+        raise NoMatch(f"K norm weight has shape {norm.weight_shape}, expected {per_layer} (one weight per head dim)")
+
+
+def match_k_branch(projection: Projection, source: "BranchSource") -> KBranch:
     """Match source -> layout -> [RMSNorm] -> layout -> rotary. Raises NoMatch with a reason."""
     col_start = source.col_start
     features = static_shape(source.node)[-1]
@@ -470,6 +542,10 @@ def match_k_branch(projection: Projection, source: BranchSource) -> KBranch:
         raise NoMatch(f"K output is {val(rotary.out).dtype}, the projection {val(projection.node).dtype}")
     rows, row_width = static_shape(projection.node)
     head_dim = static_shape(node)[-1]
+
+    def layout_at(index: torch.Tensor) -> HeadLayout:
+        return head_layout(index, source, row_width, projection.layer_width, projection.n_layers, features, head_dim)
+
     with unset_fake_temporarily():  # the index simulation runs on real tensors, also inside a traced pass
         index = torch.arange(rows * row_width, dtype=torch.int64).view(rows, row_width)
         index = replay(source.prefix, index)[..., col_start : col_start + features]
@@ -477,9 +553,8 @@ def match_k_branch(projection: Projection, source: BranchSource) -> KBranch:
         if norm is not None:
             if at_norm.shape[-1] == features and features != head_dim:
                 raise NoMatch(f"RMSNorm over the whole projection ({features} features), not per head ({head_dim})")
-            head_layout(at_norm, row_width, col_start, features, head_dim)
-        at_rotary = replay(layout_after, at_norm)
-        heads = head_layout(at_rotary, row_width, col_start, features, head_dim)
+            check_norm_weight(norm, layout_at(at_norm), projection.n_layers, at_norm.dim())
+        heads = layout_at(replay(layout_after, at_norm))
     return KBranch(projection, source, layout_before, layout_after, norm, rotary, heads)
 
 
@@ -499,7 +574,7 @@ class BranchSource:
 
 def branch_sources(projection: Projection) -> list[BranchSource]:
     """Where K branches may start on a projection: the mm itself, or each column slice of it."""
-    node, width = projection.node, projection.out_features
+    node, width = projection.node, projection.layer_width
     prefix = []
     while len(node.users) == 1:
         (user,) = node.users
@@ -508,11 +583,21 @@ def branch_sources(projection: Projection) -> list[BranchSource]:
         prefix.append(user)
         node = user
     whole = [BranchSource(projection.node, 0, [])]
-    rank = len(val(node).shape)
-    slices = []
+    slices = _column_slices(node, len(val(node).shape), width, 0)
+    if not slices:
+        return whole
+    return [BranchSource(sliced, col_start, prefix) for sliced, col_start in slices]
+
+
+def _column_slices(node: torch.fx.Node, rank: int, width: int, offset: int) -> Optional[list]:
+    """(slice node, first column) for users that split `node`'s last dim into column ranges, recursively
+    (qkv[..., q:][..., :kv]); None unless every user is such a slice."""
+    found = []
     for user in node.users:
         bounds = _last_dim_slice(user, node, rank, width)
         if bounds is None or bounds[2] != 1:
-            return whole
-        slices.append(BranchSource(user, bounds[0], prefix))
-    return slices or whole
+            return None
+        start, end, _ = bounds
+        inner = _column_slices(user, rank, end - start, offset + start) if user.users else None
+        found += inner if inner else [(user, offset + start)]
+    return found

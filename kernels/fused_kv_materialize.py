@@ -110,19 +110,26 @@ def _fused_kv_materialize_kernel(
     k_rows = tokens * stride_k_token + layer * stride_k_layer + heads * (HEAD_DIM * stride_k_elem)
     k_out_rows = layer * stride_ko_layer + tokens * stride_ko_token + heads * stride_ko_head
 
+    # Rotary part: tiles x_a, x_b [BLOCK_ROWS, HALF_PAD] of elements and their RoPE partners. neox: the two
+    # contiguous halves, loaded separately. Interleaved: pairs (2j, 2j+1) loaded as one contiguous
+    # [BLOCK_ROWS, HALF_PAD, 2] tile and split, so loads and stores stay vectorized.
     freq = tl.arange(0, HALF_PAD)
     freq_mask = freq < HALF
     rot_mask = row_mask[:, None] & freq_mask[None, :]
+    pair = tl.arange(0, 2)
+    pair_dims = 2 * freq[:, None] + pair[None, :]  # [HALF_PAD, 2]
+    pair_mask = freq_mask[:, None] & (pair < 2)[None, :]
+    rows_pair_mask = row_mask[:, None, None] & pair_mask[None, :, :]
     if INTERLEAVED:
-        dims_a = 2 * freq
-        dims_b = 2 * freq + 1
+        x_pair = tl.load(
+            k_proj_ptr + k_rows[:, None, None] + pair_dims[None, :, :] * stride_k_elem, mask=rows_pair_mask, other=0.0
+        )
+        x_a, x_b = tl.split(x_pair.to(tl.float32))
     else:
-        dims_a = freq
-        dims_b = freq + HALF
-    x_a = tl.load(k_proj_ptr + k_rows[:, None] + dims_a[None, :] * stride_k_elem, mask=rot_mask, other=0.0)
-    x_b = tl.load(k_proj_ptr + k_rows[:, None] + dims_b[None, :] * stride_k_elem, mask=rot_mask, other=0.0)
-    x_a = x_a.to(tl.float32)
-    x_b = x_b.to(tl.float32)
+        x_a = tl.load(k_proj_ptr + k_rows[:, None] + freq[None, :] * stride_k_elem, mask=rot_mask, other=0.0)
+        x_b = tl.load(k_proj_ptr + k_rows[:, None] + (HALF + freq[None, :]) * stride_k_elem, mask=rot_mask, other=0.0)
+        x_a = x_a.to(tl.float32)
+        x_b = x_b.to(tl.float32)
     if PASS_PAD > 0:
         dims_p = ROTARY_DIM + tl.arange(0, PASS_PAD)
         pass_dim_mask = dims_p < HEAD_DIM
@@ -140,8 +147,12 @@ def _fused_kv_materialize_kernel(
             eps = eps_value
         inv_rms = tl.rsqrt(sum_sq / HEAD_DIM + eps)[:, None]
         weight_row = norm_weight_ptr + layer * stride_weight_layer
-        w_a = tl.load(weight_row + dims_a * stride_weight_dim, mask=freq_mask, other=0.0).to(tl.float32)
-        w_b = tl.load(weight_row + dims_b * stride_weight_dim, mask=freq_mask, other=0.0).to(tl.float32)
+        if INTERLEAVED:
+            w_pair = tl.load(weight_row + pair_dims * stride_weight_dim, mask=pair_mask, other=0.0)
+            w_a, w_b = tl.split(w_pair.to(tl.float32))
+        else:
+            w_a = tl.load(weight_row + freq * stride_weight_dim, mask=freq_mask, other=0.0).to(tl.float32)
+            w_b = tl.load(weight_row + (HALF + freq) * stride_weight_dim, mask=freq_mask, other=0.0).to(tl.float32)
         # round(round(x * inv_rms) * w): the two roundings of `weight * hidden.to(input_dtype)`.
         x_a = ((x_a * inv_rms).to(out_dtype).to(tl.float32) * w_a[None, :]).to(out_dtype).to(tl.float32)
         x_b = ((x_b * inv_rms).to(out_dtype).to(tl.float32) * w_b[None, :]).to(out_dtype).to(tl.float32)
@@ -149,28 +160,46 @@ def _fused_kv_materialize_kernel(
             w_p = tl.load(weight_row + dims_p * stride_weight_dim, mask=pass_dim_mask, other=0.0).to(tl.float32)
             x_p = ((x_p * inv_rms).to(out_dtype).to(tl.float32) * w_p[None, :]).to(out_dtype).to(tl.float32)
 
-    if USE_POSITIONS:
+    if USE_POSITIONS:  # cache row [cos_0 .. cos_{r/2-1}, sin_0 .. sin_{r/2-1}], one frequency per (a, b) pair
         positions = tl.load(positions_ptr + tokens, mask=row_mask, other=0).to(tl.int64)
         positions = tl.minimum(tl.maximum(positions, 0), cache_rows - 1)
-        cache_rows_offset = positions[:, None] * stride_cos_row
-        cos_a = tl.load(cos_ptr + cache_rows_offset + freq[None, :] * stride_cos_dim, mask=rot_mask, other=0.0)
-        sin_a = tl.load(cos_ptr + cache_rows_offset + (HALF + freq[None, :]) * stride_cos_dim, mask=rot_mask, other=0.0)
-        cos_a = cos_a.to(tl.float32)
-        sin_a = sin_a.to(tl.float32)
+        cache_row = cos_ptr + positions[:, None] * stride_cos_row
+        cos_a = tl.load(cache_row + freq[None, :] * stride_cos_dim, mask=rot_mask, other=0.0).to(tl.float32)
+        sin_a = tl.load(cache_row + (HALF + freq[None, :]) * stride_cos_dim, mask=rot_mask, other=0.0).to(tl.float32)
         cos_b = cos_a
         sin_b = sin_a
+    elif INTERLEAVED:  # per-token tables, element i at column i
+        cos_pair = tl.load(
+            cos_ptr + tokens[:, None, None] * stride_cos_row + pair_dims[None, :, :] * stride_cos_dim,
+            mask=rows_pair_mask,
+            other=0.0,
+        )
+        sin_pair = tl.load(
+            sin_ptr + tokens[:, None, None] * stride_sin_row + pair_dims[None, :, :] * stride_sin_dim,
+            mask=rows_pair_mask,
+            other=0.0,
+        )
+        cos_a, cos_b = tl.split(cos_pair.to(tl.float32))
+        sin_a, sin_b = tl.split(sin_pair.to(tl.float32))
     else:
-        cos_rows = tokens[:, None] * stride_cos_row
-        sin_rows = tokens[:, None] * stride_sin_row
-        cos_a = tl.load(cos_ptr + cos_rows + dims_a[None, :] * stride_cos_dim, mask=rot_mask, other=0.0).to(tl.float32)
-        cos_b = tl.load(cos_ptr + cos_rows + dims_b[None, :] * stride_cos_dim, mask=rot_mask, other=0.0).to(tl.float32)
-        sin_a = tl.load(sin_ptr + sin_rows + dims_a[None, :] * stride_sin_dim, mask=rot_mask, other=0.0).to(tl.float32)
-        sin_b = tl.load(sin_ptr + sin_rows + dims_b[None, :] * stride_sin_dim, mask=rot_mask, other=0.0).to(tl.float32)
+        cos_row = cos_ptr + tokens[:, None] * stride_cos_row
+        sin_row = sin_ptr + tokens[:, None] * stride_sin_row
+        cos_a = tl.load(cos_row + freq[None, :] * stride_cos_dim, mask=rot_mask, other=0.0).to(tl.float32)
+        cos_b = tl.load(cos_row + (HALF + freq[None, :]) * stride_cos_dim, mask=rot_mask, other=0.0).to(tl.float32)
+        sin_a = tl.load(sin_row + freq[None, :] * stride_sin_dim, mask=rot_mask, other=0.0).to(tl.float32)
+        sin_b = tl.load(sin_row + (HALF + freq[None, :]) * stride_sin_dim, mask=rot_mask, other=0.0).to(tl.float32)
 
-    out_a = x_a * cos_a - x_b * sin_a
-    out_b = x_b * cos_b + x_a * sin_b
-    tl.store(k_out_ptr + k_out_rows[:, None] + dims_a[None, :] * stride_ko_dim, out_a.to(out_dtype), mask=rot_mask)
-    tl.store(k_out_ptr + k_out_rows[:, None] + dims_b[None, :] * stride_ko_dim, out_b.to(out_dtype), mask=rot_mask)
+    out_a = (x_a * cos_a - x_b * sin_a).to(out_dtype)
+    out_b = (x_b * cos_b + x_a * sin_b).to(out_dtype)
+    if INTERLEAVED:
+        tl.store(
+            k_out_ptr + k_out_rows[:, None, None] + pair_dims[None, :, :] * stride_ko_dim,
+            tl.join(out_a, out_b),
+            mask=rows_pair_mask,
+        )
+    else:
+        tl.store(k_out_ptr + k_out_rows[:, None] + freq[None, :] * stride_ko_dim, out_a, mask=rot_mask)
+        tl.store(k_out_ptr + k_out_rows[:, None] + (HALF + freq[None, :]) * stride_ko_dim, out_b, mask=rot_mask)
     if PASS_PAD > 0:
         tl.store(k_out_ptr + k_out_rows[:, None] + dims_p[None, :] * stride_ko_dim, x_p.to(out_dtype), mask=pass_mask)
 

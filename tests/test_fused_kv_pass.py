@@ -100,10 +100,12 @@ def test_bias_through_backend(device):
 class FusedKVLinearContext(nn.Module):
     """Each layer projects K and V with ONE linear ([2*kv, hidden]) and slices it; partial rotary."""
 
-    def __init__(self, n_layers=3, hidden=48, heads=2, head_dim=16, rotary_dim=8, interleaved=False):
+    def __init__(self, n_layers=3, hidden=48, heads=2, head_dim=16, rotary_dim=8, interleaved=False, q_size=0):
         super().__init__()
         self.heads, self.head_dim, self.rotary_dim, self.interleaved = heads, head_dim, rotary_dim, interleaved
-        self.kv = nn.ModuleList([nn.Linear(hidden, 2 * heads * head_dim, bias=False) for _ in range(n_layers)])
+        self.q_size = q_size  # > 0: a fused qkv linear, Q first (returned untouched)
+        width = q_size + 2 * heads * head_dim
+        self.kv = nn.ModuleList([nn.Linear(hidden, width, bias=False) for _ in range(n_layers)])
         self.norms = nn.ModuleList([Qwen3RMSNorm(head_dim, eps=1e-5) for _ in range(n_layers)])
         for norm in self.norms:
             nn.init.normal_(norm.weight, 1.0, 0.2)
@@ -120,7 +122,10 @@ class FusedKVLinearContext(nn.Module):
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         outs = []
         for kv_proj, norm in zip(self.kv, self.norms):
-            kv = kv_proj(x)
+            qkv = kv_proj(x)
+            if self.q_size:
+                outs.append(qkv[..., : self.q_size])
+            kv = qkv[..., self.q_size :]
             k = norm(kv[..., :kv_size].view(B, T, self.heads, self.head_dim)).transpose(1, 2)
             v = kv[..., kv_size:].view(B, T, self.heads, self.head_dim).transpose(1, 2)
             k_rot, k_pass = k[..., : self.rotary_dim], k[..., self.rotary_dim :]
@@ -130,10 +135,10 @@ class FusedKVLinearContext(nn.Module):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("interleaved", [False, True])
-def test_fused_kv_linear_partial_and_interleaved_rotary(device, interleaved):
+@pytest.mark.parametrize("interleaved, q_size", [(False, 0), (True, 0), (False, 32)])
+def test_fused_kv_linear_partial_and_interleaved_rotary(device, interleaved, q_size):
     torch.manual_seed(0)
-    module = FusedKVLinearContext(interleaved=interleaved).to(device)
+    module = FusedKVLinearContext(interleaved=interleaved, q_size=q_size).to(device)
     x, cos, sin = (torch.randn(2, 5, n, device=device) for n in (48, 8, 8))
     with torch.no_grad():
         ref = module(x, cos, sin)
@@ -387,3 +392,41 @@ def test_reduce_overhead_replays_fused_graph(dtype):
             inputs = drafts.example_inputs(module, batch=2, seq_len=9, seed=seed)
             assert_close_outputs(compiled(*inputs), module(*inputs), dtype)
     assert records[0].fused_groups[0].n_layers == 4
+
+
+class StackedSpellingContext(nn.Module):
+    """The explicit stacked spelling: torch.stack of per-layer fused kv linears, stacked norm weights."""
+
+    def __init__(self, n_layers=4, hidden=48, heads=2, head_dim=16, bias=False):
+        super().__init__()
+        self.n_layers, self.heads, self.head_dim = n_layers, heads, head_dim
+        self.kv = nn.ModuleList([nn.Linear(hidden, 2 * heads * head_dim, bias=bias) for _ in range(n_layers)])
+        self.k_norm_weight = nn.Parameter(1 + 0.2 * torch.randn(n_layers, head_dim))
+
+    def forward(self, x, cos, sin):  # x [T, hidden]; cos, sin [T, head_dim]
+        T, L, H, D = x.shape[0], self.n_layers, self.heads, self.head_dim
+        kv = torch.stack([proj(x) for proj in self.kv], dim=1)  # [T, L, 2*H*D]
+        k = kv[..., : H * D].view(T, L, H, D)
+        v = kv[..., H * D :].view(T, L, H, D)
+        kf = k.float()
+        k = self.k_norm_weight[:, None, :] * (kf * torch.rsqrt(kf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(k.dtype)
+        cos, sin = cos[:, None, None, :], sin[:, None, None, :]
+        k = k * cos + torch.cat((-k[..., D // 2 :], k[..., : D // 2]), dim=-1) * sin
+        return k, v
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_explicit_stacked_spelling(device, bias):
+    torch.manual_seed(0)
+    module = StackedSpellingContext(bias=bias).to(device)
+    x, cos, sin = torch.randn(6, 48, device=device), torch.randn(6, 16, device=device), torch.randn(6, 16, device=device)
+    with torch.no_grad():
+        ref = module(x, cos, sin)
+        compiled, counting = compile_counting(module)
+        got = compiled(x, cos, sin)
+    assert_close_outputs(got, ref, torch.float32)
+    (group,) = counting.records[0].fused_groups
+    assert (group.n_layers, group.num_kv_heads, group.head_dim, group.bias) == (4, 2, 16, bias)
+    assert sum(counting.after[op] for op in PROJECTION_OPS) == 0 and counting.after[aten.cat.default] == 0
+    assert counting.after[FUSED_OP] == 1
