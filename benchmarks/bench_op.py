@@ -182,15 +182,16 @@ def bench_tokens(total_ctx: int, configs: list[tuple[int, int]], ceiling: float,
         "compiled": (compiled_math, kv_moved),
         **{f"{b}x{w}": (direct_launch(b, w), kv_moved) for b, w in configs},
     }
+    def record(name: str, ms: float, moved: int) -> None:
+        bytes_per_s = moved / (ms * 1e-3)
+        row[name] = {"us": ms * 1e3, "tb_s": bytes_per_s / 1e12, "pct": 100 * bytes_per_s / ceiling}
+
     for name, (call, moved) in variants.items():
         check(name, call(**first), expected)
-        ms = bench_ms(rotating(call, sets))
-        row[name] = {"us": ms * 1e3, "tb_s": moved / (ms * 1e-3) / 1e12, "pct": 100 * moved / (ms * 1e-3) / ceiling}
-    ms = graph_ms(lambda: op_call(**first))
-    row["op_graph"] = {"us": ms * 1e3, "tb_s": kv_moved / (ms * 1e-3) / 1e12, "pct": 100 * kv_moved / (ms * 1e-3) / ceiling}
+        record(name, bench_ms(rotating(call, sets)), moved)
+    record("op_graph", graph_ms(lambda: op_call(**first)), kv_moved)
     check("k_only", (k_only_call(**first),), expected[:1])
-    ms = bench_ms(rotating(k_only_call, sets))
-    row["k_only"] = {"us": ms * 1e3, "tb_s": k_moved / (ms * 1e-3) / 1e12, "pct": 100 * k_moved / (ms * 1e-3) / ceiling}
+    record("k_only", bench_ms(rotating(k_only_call, sets)), k_moved)
     return row
 
 

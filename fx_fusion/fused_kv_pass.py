@@ -144,13 +144,19 @@ def _find_candidates(graph: torch.fx.Graph, record: PassRecord):
     for node in graph.nodes:
         if node in concatenated:
             projection = concatenated[node]
-        elif is_call(node, *kv_patterns.PROJECTION_OPS) and node not in parts:
+        elif node in parts:
+            continue
+        else:
+            if is_call(node, aten.mm.default) and kv_patterns.bias_add_of(node) is not None:
+                node = kv_patterns.bias_add_of(node)  # the projection ends at its bias add
+                if node in parts:
+                    continue
+            elif not is_call(node, *kv_patterns.PROJECTION_OPS):
+                continue
             try:
                 projection = kv_patterns.match_projection(node)
             except NoMatch:
                 continue
-        else:
-            continue
         entry = by_input[(kv_patterns.base_of(projection.x2d), str(val(projection.x2d).shape))]
         entry["projections"].append(projection)
         for source in kv_patterns.branch_sources(projection):
@@ -311,8 +317,11 @@ def _rewrite_group(graph, fake_mode, branches: list[KBranch], extra: list[Projec
         eps_value, eps_tensor = 0.0, None
         if first.norm is not None:
             if eps_nodes:  # eps arrives as a tensor (dynamic floats): gather one per layer
+                device = val(proj).device  # dynamo passes unspecialized floats as CPU scalar tensors
                 eps32 = [builder.call(torch.ops.prims.convert_element_type.default, e, torch.float32) for e in eps_nodes]
                 eps_tensor = builder.call(aten.cat.default, [builder.call(aten.view.default, e, [1]) for e in eps32])
+                if val(eps_tensor).device != device:
+                    eps_tensor = builder.call(torch.ops.prims.device_put.default, eps_tensor, device)
             else:
                 eps_value = first.norm.eps
         cos = _per_token_rotary_table(builder, first.rotary.cos, first)

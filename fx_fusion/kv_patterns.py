@@ -111,7 +111,26 @@ class Projection:
         return static_shape(self.node)[1]
 
 
+def bias_add_of(mm: torch.fx.Node) -> Optional[torch.fx.Node]:
+    """The `mm + bias` node when mm's only use adds a 1-D bias parameter (Inductor unfuses addmm on GPU)."""
+    if len(mm.users) != 1:
+        return None
+    (add,) = mm.users
+    if not is_call(add, aten.add.Tensor) or add.kwargs.get("alpha", 1) != 1 or len(add.args) != 2:
+        return None
+    bias = _other_arg(add, mm)
+    if not is_weight_input(bias) or len(val(bias).shape) != 1:
+        return None
+    return add
+
+
 def match_projection(node: torch.fx.Node) -> Projection:
+    if is_call(node, aten.add.Tensor):
+        mm = next((a for a in node.args[:2] if is_call(a, aten.mm.default)), None)
+        if mm is None or bias_add_of(mm) is not node:
+            raise NoMatch("not a linear projection")
+        inner = match_projection(mm)
+        return dataclasses.replace(inner, node=node, biases=[_other_arg(node, mm)])
     if is_call(node, aten.mm.default):
         bias, x2d, rhs = None, node.args[0], node.args[1]
     elif is_call(node, aten.addmm.default):

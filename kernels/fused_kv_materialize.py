@@ -95,10 +95,9 @@ def _fused_kv_materialize_kernel(
 ):
     """One program: BLOCK_ROWS consecutive (token, head) rows of one layer.
 
-    Grid: (cdiv(total_ctx * num_kv_heads, BLOCK_ROWS), n_layers). The rotary part of a head is handled as
-    two [BLOCK_ROWS, HALF_PAD] tiles `a` and `b` holding each element and its RoPE partner (neox: the two
-    halves; interleaved: even and odd dims), so every input element is loaded exactly once; the dims past
-    rotary_dim form a third, pass-through tile of PASS_PAD columns (PASS_PAD = 0: none).
+    Grid: (cdiv(total_ctx * num_kv_heads, BLOCK_ROWS), n_layers). Every input element is loaded once, in
+    contiguous (vectorizable) runs: the rotary dims as described below, the dims past rotary_dim as a
+    pass-through tile of PASS_PAD columns (PASS_PAD = 0: none), V as a [BLOCK_ROWS, HEAD_PAD] tile.
     """
     HALF: tl.constexpr = ROTARY_DIM // 2
     out_dtype = k_out_ptr.dtype.element_ty
@@ -110,21 +109,19 @@ def _fused_kv_materialize_kernel(
     k_rows = tokens * stride_k_token + layer * stride_k_layer + heads * (HEAD_DIM * stride_k_elem)
     k_out_rows = layer * stride_ko_layer + tokens * stride_ko_token + heads * stride_ko_head
 
-    # Rotary part: tiles x_a, x_b [BLOCK_ROWS, HALF_PAD] of elements and their RoPE partners. neox: the two
-    # contiguous halves, loaded separately. Interleaved: pairs (2j, 2j+1) loaded as one contiguous
-    # [BLOCK_ROWS, HALF_PAD, 2] tile and split, so loads and stores stay vectorized.
+    # Rotary part. neox: tiles x_a, x_b [BLOCK_ROWS, HALF_PAD] of the two contiguous halves, each element
+    # beside its RoPE partner. Interleaved: one contiguous tile x_r [BLOCK_ROWS, 2 * HALF_PAD]; the partner
+    # of element 2j / 2j+1 comes from reshaping it to pairs (which sit in one thread), so loads and stores
+    # stay vectorized either way.
+    ROT_PAD: tl.constexpr = 2 * HALF_PAD
     freq = tl.arange(0, HALF_PAD)
-    freq_mask = freq < HALF
-    rot_mask = row_mask[:, None] & freq_mask[None, :]
-    pair = tl.arange(0, 2)
-    pair_dims = 2 * freq[:, None] + pair[None, :]  # [HALF_PAD, 2]
-    pair_mask = freq_mask[:, None] & (pair < 2)[None, :]
-    rows_pair_mask = row_mask[:, None, None] & pair_mask[None, :, :]
+    rot_mask = row_mask[:, None] & (freq < HALF)[None, :]
+    rot_dims = tl.arange(0, ROT_PAD)
+    rot_dim_mask = rot_dims < ROTARY_DIM
+    rot_full_mask = row_mask[:, None] & rot_dim_mask[None, :]
     if INTERLEAVED:
-        x_pair = tl.load(
-            k_proj_ptr + k_rows[:, None, None] + pair_dims[None, :, :] * stride_k_elem, mask=rows_pair_mask, other=0.0
-        )
-        x_a, x_b = tl.split(x_pair.to(tl.float32))
+        x_r = tl.load(k_proj_ptr + k_rows[:, None] + rot_dims[None, :] * stride_k_elem, mask=rot_full_mask, other=0.0)
+        x_r = x_r.to(tl.float32)
     else:
         x_a = tl.load(k_proj_ptr + k_rows[:, None] + freq[None, :] * stride_k_elem, mask=rot_mask, other=0.0)
         x_b = tl.load(k_proj_ptr + k_rows[:, None] + (HALF + freq[None, :]) * stride_k_elem, mask=rot_mask, other=0.0)
@@ -138,7 +135,10 @@ def _fused_kv_materialize_kernel(
         x_p = x_p.to(tl.float32)
 
     if HAS_NORM:
-        sum_sq = tl.sum(x_a * x_a, axis=1) + tl.sum(x_b * x_b, axis=1)
+        if INTERLEAVED:
+            sum_sq = tl.sum(x_r * x_r, axis=1)
+        else:
+            sum_sq = tl.sum(x_a * x_a, axis=1) + tl.sum(x_b * x_b, axis=1)
         if PASS_PAD > 0:
             sum_sq += tl.sum(x_p * x_p, axis=1)
         if HAS_EPS_TENSOR:
@@ -147,57 +147,58 @@ def _fused_kv_materialize_kernel(
             eps = eps_value
         inv_rms = tl.rsqrt(sum_sq / HEAD_DIM + eps)[:, None]
         weight_row = norm_weight_ptr + layer * stride_weight_layer
-        if INTERLEAVED:
-            w_pair = tl.load(weight_row + pair_dims * stride_weight_dim, mask=pair_mask, other=0.0)
-            w_a, w_b = tl.split(w_pair.to(tl.float32))
-        else:
-            w_a = tl.load(weight_row + freq * stride_weight_dim, mask=freq_mask, other=0.0).to(tl.float32)
-            w_b = tl.load(weight_row + (HALF + freq) * stride_weight_dim, mask=freq_mask, other=0.0).to(tl.float32)
         # round(round(x * inv_rms) * w): the two roundings of `weight * hidden.to(input_dtype)`.
-        x_a = ((x_a * inv_rms).to(out_dtype).to(tl.float32) * w_a[None, :]).to(out_dtype).to(tl.float32)
-        x_b = ((x_b * inv_rms).to(out_dtype).to(tl.float32) * w_b[None, :]).to(out_dtype).to(tl.float32)
+        if INTERLEAVED:
+            w_r = tl.load(weight_row + rot_dims * stride_weight_dim, mask=rot_dim_mask, other=0.0).to(tl.float32)
+            x_r = ((x_r * inv_rms).to(out_dtype).to(tl.float32) * w_r[None, :]).to(out_dtype).to(tl.float32)
+        else:
+            w_a = tl.load(weight_row + freq * stride_weight_dim, mask=freq < HALF, other=0.0).to(tl.float32)
+            w_b = tl.load(weight_row + (HALF + freq) * stride_weight_dim, mask=freq < HALF, other=0.0).to(tl.float32)
+            x_a = ((x_a * inv_rms).to(out_dtype).to(tl.float32) * w_a[None, :]).to(out_dtype).to(tl.float32)
+            x_b = ((x_b * inv_rms).to(out_dtype).to(tl.float32) * w_b[None, :]).to(out_dtype).to(tl.float32)
         if PASS_PAD > 0:
             w_p = tl.load(weight_row + dims_p * stride_weight_dim, mask=pass_dim_mask, other=0.0).to(tl.float32)
             x_p = ((x_p * inv_rms).to(out_dtype).to(tl.float32) * w_p[None, :]).to(out_dtype).to(tl.float32)
 
-    if USE_POSITIONS:  # cache row [cos_0 .. cos_{r/2-1}, sin_0 .. sin_{r/2-1}], one frequency per (a, b) pair
+    if USE_POSITIONS:  # cache row: [cos_0 .. cos_{r/2-1}, sin_0 .. sin_{r/2-1}]
         positions = tl.load(positions_ptr + tokens, mask=row_mask, other=0).to(tl.int64)
         positions = tl.minimum(tl.maximum(positions, 0), cache_rows - 1)
-        cache_row = cos_ptr + positions[:, None] * stride_cos_row
-        cos_a = tl.load(cache_row + freq[None, :] * stride_cos_dim, mask=rot_mask, other=0.0).to(tl.float32)
-        sin_a = tl.load(cache_row + (HALF + freq[None, :]) * stride_cos_dim, mask=rot_mask, other=0.0).to(tl.float32)
-        cos_b = cos_a
-        sin_b = sin_a
-    elif INTERLEAVED:  # per-token tables, element i at column i
-        cos_pair = tl.load(
-            cos_ptr + tokens[:, None, None] * stride_cos_row + pair_dims[None, :, :] * stride_cos_dim,
-            mask=rows_pair_mask,
-            other=0.0,
-        )
-        sin_pair = tl.load(
-            sin_ptr + tokens[:, None, None] * stride_sin_row + pair_dims[None, :, :] * stride_sin_dim,
-            mask=rows_pair_mask,
-            other=0.0,
-        )
-        cos_a, cos_b = tl.split(cos_pair.to(tl.float32))
-        sin_a, sin_b = tl.split(sin_pair.to(tl.float32))
-    else:
+        cos_row = cos_ptr + positions[:, None] * stride_cos_row
+        sin_row = cos_row + HALF * stride_cos_dim
+        sin_row_stride = stride_cos_dim
+    else:  # per-token tables: element i uses column i
         cos_row = cos_ptr + tokens[:, None] * stride_cos_row
         sin_row = sin_ptr + tokens[:, None] * stride_sin_row
-        cos_a = tl.load(cos_row + freq[None, :] * stride_cos_dim, mask=rot_mask, other=0.0).to(tl.float32)
-        cos_b = tl.load(cos_row + (HALF + freq[None, :]) * stride_cos_dim, mask=rot_mask, other=0.0).to(tl.float32)
-        sin_a = tl.load(sin_row + freq[None, :] * stride_sin_dim, mask=rot_mask, other=0.0).to(tl.float32)
-        sin_b = tl.load(sin_row + (HALF + freq[None, :]) * stride_sin_dim, mask=rot_mask, other=0.0).to(tl.float32)
+        sin_row_stride = stride_sin_dim
 
-    out_a = (x_a * cos_a - x_b * sin_a).to(out_dtype)
-    out_b = (x_b * cos_b + x_a * sin_b).to(out_dtype)
     if INTERLEAVED:
-        tl.store(
-            k_out_ptr + k_out_rows[:, None, None] + pair_dims[None, :, :] * stride_ko_dim,
-            tl.join(out_a, out_b),
-            mask=rows_pair_mask,
-        )
+        x_even, x_odd = tl.split(tl.reshape(x_r, [BLOCK_ROWS, HALF_PAD, 2]))
+        partner = tl.reshape(tl.join(-x_odd, x_even), [BLOCK_ROWS, ROT_PAD])  # sign(i) * x[i ^ 1]
+        if USE_POSITIONS:  # frequency j serves elements 2j and 2j+1
+            cos_f = tl.load(cos_row + freq[None, :] * stride_cos_dim, mask=rot_mask, other=0.0).to(tl.float32)
+            sin_f = tl.load(sin_row + freq[None, :] * sin_row_stride, mask=rot_mask, other=0.0).to(tl.float32)
+            cos_r = tl.reshape(tl.join(cos_f, cos_f), [BLOCK_ROWS, ROT_PAD])
+            sin_r = tl.reshape(tl.join(sin_f, sin_f), [BLOCK_ROWS, ROT_PAD])
+        else:
+            cos_r = tl.load(cos_row + rot_dims[None, :] * stride_cos_dim, mask=rot_full_mask, other=0.0)
+            sin_r = tl.load(sin_row + rot_dims[None, :] * sin_row_stride, mask=rot_full_mask, other=0.0)
+            cos_r = cos_r.to(tl.float32)
+            sin_r = sin_r.to(tl.float32)
+        out_r = (x_r * cos_r + partner * sin_r).to(out_dtype)
+        tl.store(k_out_ptr + k_out_rows[:, None] + rot_dims[None, :] * stride_ko_dim, out_r, mask=rot_full_mask)
     else:
+        cos_a = tl.load(cos_row + freq[None, :] * stride_cos_dim, mask=rot_mask, other=0.0).to(tl.float32)
+        sin_a = tl.load(sin_row + freq[None, :] * sin_row_stride, mask=rot_mask, other=0.0).to(tl.float32)
+        if USE_POSITIONS:  # both halves share a frequency
+            cos_b = cos_a
+            sin_b = sin_a
+        else:
+            cos_b = tl.load(cos_row + (HALF + freq[None, :]) * stride_cos_dim, mask=rot_mask, other=0.0)
+            sin_b = tl.load(sin_row + (HALF + freq[None, :]) * sin_row_stride, mask=rot_mask, other=0.0)
+            cos_b = cos_b.to(tl.float32)
+            sin_b = sin_b.to(tl.float32)
+        out_a = (x_a * cos_a - x_b * sin_a).to(out_dtype)
+        out_b = (x_b * cos_b + x_a * sin_b).to(out_dtype)
         tl.store(k_out_ptr + k_out_rows[:, None] + freq[None, :] * stride_ko_dim, out_a, mask=rot_mask)
         tl.store(k_out_ptr + k_out_rows[:, None] + (HALF + freq[None, :]) * stride_ko_dim, out_b, mask=rot_mask)
     if PASS_PAD > 0:
@@ -333,8 +334,11 @@ def launch_fused_kv_materialize(
     if interpret:
         with _interpretable_tl_sum():
             fused_kv_materialize_kernel_interpreted[grid](*args, **meta)
-    else:
+    elif k_proj.device.index == torch.cuda.current_device():
         fused_kv_materialize_kernel[grid](*args, **meta)
+    else:  # Triton launches on the current device
+        with torch.cuda.device(k_proj.device):
+            fused_kv_materialize_kernel[grid](*args, **meta)
 
 
 def _rope_cos_sin(

@@ -270,9 +270,27 @@ def _host_sync_allowed(tensor: torch.Tensor) -> bool:
 # --------------------------------------------------------------------------------------------------------
 # Ops
 # --------------------------------------------------------------------------------------------------------
+# `common` below is the ops' tuple of leading arguments: (k_proj, k_norm_weight, eps, eps_value, cos, sin,
+# positions, num_kv_heads, head_dim, rotary_dim, interleaved).
 
 
-def _stacked_norm_weight(k_norm_weight: Sequence[torch.Tensor], n_layers: int, head_dim: int) -> Optional[torch.Tensor]:
+def _validate(common: tuple, v_proj=None, k_out=None, v_out=None) -> None:
+    k_proj, k_norm_weight, eps, _, cos, sin, positions, num_kv_heads, head_dim, rotary_dim, _ = common
+    validate_materialize_args(
+        k_proj, k_norm_weight, eps, cos, sin, positions, num_kv_heads, head_dim, rotary_dim, v_proj, k_out, v_out
+    )
+
+
+def _new_output(common: tuple) -> torch.Tensor:
+    """An empty [n_layers, total_ctx, num_kv_heads, head_dim] tensor like k_proj."""
+    k_proj, num_kv_heads, head_dim = common[0], common[7], common[8]
+    total_ctx, n_layers, _ = k_proj.shape
+    return k_proj.new_empty((n_layers, total_ctx, num_kv_heads, head_dim))
+
+
+def _stacked_norm_weight(
+    k_norm_weight: Sequence[torch.Tensor], n_layers: int, head_dim: int
+) -> Optional[torch.Tensor]:
     """[n_layers, head_dim] view of the K-norm weights (stacked once, no per-call copy), or None."""
     if not k_norm_weight:
         return None
@@ -293,45 +311,39 @@ def _run_cpu(*args) -> None:
         fused_kv_materialize_torch(*args)
 
 
-def _new_output(k_proj: torch.Tensor, num_kv_heads: int, head_dim: int) -> torch.Tensor:
-    total_ctx, n_layers, _ = k_proj.shape
-    return k_proj.new_empty((n_layers, total_ctx, num_kv_heads, head_dim))
-
-
-# Each op body takes the backend first: the op's default kernel (CUDA and other devices) binds
-# `_run_triton`, its CPU kernel binds `_run_cpu`. Bodies validate before allocating anything.
-
-
-def _materialize_k(backend, k_proj, k_norm_weight, eps, eps_value, cos, sin, positions, num_kv_heads, head_dim, rotary_dim, interleaved):
-    validate_materialize_args(k_proj, k_norm_weight, eps, cos, sin, positions, num_kv_heads, head_dim, rotary_dim)
-    k_out = _new_output(k_proj, num_kv_heads, head_dim)
+def _launch(backend, common: tuple, v_proj, k_out, v_out) -> None:
+    """Run `backend` (`_run_triton` or `_run_cpu`) on validated arguments."""
+    k_proj, k_norm_weight, eps, eps_value, cos, sin, positions, num_kv_heads, head_dim, rotary_dim, interleaved = common
     norm_weight = _stacked_norm_weight(k_norm_weight, k_proj.shape[1], head_dim)
     backend(
-        k_proj, None, norm_weight, eps, eps_value, cos, sin, positions, k_out, None,
+        k_proj, v_proj, norm_weight, eps, eps_value, cos, sin, positions, k_out, v_out,
         num_kv_heads, head_dim, rotary_dim, interleaved,
-    )
+    )  # fmt: skip
+
+
+# Op bodies, with the backend bound first: each op's default kernel (CUDA) binds `_run_triton`, its CPU
+# kernel `_run_cpu`. They validate before allocating anything.
+
+
+def _materialize_k(backend, *common) -> torch.Tensor:
+    _validate(common)
+    k_out = _new_output(common)
+    _launch(backend, common, None, k_out, None)
     return k_out
 
 
-def _materialize_kv(backend, k_proj, k_norm_weight, eps, eps_value, cos, sin, positions, num_kv_heads, head_dim, rotary_dim, interleaved, v_proj):
-    validate_materialize_args(k_proj, k_norm_weight, eps, cos, sin, positions, num_kv_heads, head_dim, rotary_dim, v_proj)
-    k_out = _new_output(k_proj, num_kv_heads, head_dim)
-    v_out = _new_output(k_proj, num_kv_heads, head_dim)
-    norm_weight = _stacked_norm_weight(k_norm_weight, k_proj.shape[1], head_dim)
-    backend(
-        k_proj, v_proj, norm_weight, eps, eps_value, cos, sin, positions, k_out, v_out,
-        num_kv_heads, head_dim, rotary_dim, interleaved,
-    )
+def _materialize_kv(backend, *args) -> tuple[torch.Tensor, torch.Tensor]:
+    common, v_proj = args[:-1], args[-1]
+    _validate(common, v_proj)
+    k_out, v_out = _new_output(common), _new_output(common)
+    _launch(backend, common, v_proj, k_out, v_out)
     return k_out, v_out
 
 
-def _materialize_kv_out(backend, k_proj, k_norm_weight, eps, eps_value, cos, sin, positions, num_kv_heads, head_dim, rotary_dim, interleaved, v_proj, k_out, v_out):
-    validate_materialize_args(k_proj, k_norm_weight, eps, cos, sin, positions, num_kv_heads, head_dim, rotary_dim, v_proj, k_out, v_out)
-    norm_weight = _stacked_norm_weight(k_norm_weight, k_proj.shape[1], head_dim)
-    backend(
-        k_proj, v_proj, norm_weight, eps, eps_value, cos, sin, positions, k_out, v_out,
-        num_kv_heads, head_dim, rotary_dim, interleaved,
-    )
+def _materialize_kv_out(backend, *args) -> None:
+    common, (v_proj, k_out, v_out) = args[:-3], args[-3:]
+    _validate(common, v_proj, k_out, v_out)
+    _launch(backend, common, v_proj, k_out, v_out)
 
 
 @torch.library.custom_op("fx_fusion::materialize_k", mutates_args=())
@@ -352,7 +364,7 @@ def materialize_k(
     return _materialize_k(
         _run_triton, k_proj, k_norm_weight, eps, eps_value, cos, sin, positions, num_kv_heads, head_dim,
         rotary_dim, interleaved,
-    )
+    )  # fmt: skip
 
 
 @torch.library.custom_op("fx_fusion::materialize_kv", mutates_args=())
@@ -374,7 +386,7 @@ def materialize_kv(
     return _materialize_kv(
         _run_triton, k_proj, k_norm_weight, eps, eps_value, cos, sin, positions, num_kv_heads, head_dim,
         rotary_dim, interleaved, v_proj,
-    )
+    )  # fmt: skip
 
 
 @torch.library.custom_op("fx_fusion::materialize_kv_out", mutates_args=("k_out", "v_out"))
@@ -394,11 +406,11 @@ def materialize_kv_out(
     k_out: torch.Tensor,
     v_out: torch.Tensor,
 ) -> None:
-    """out= variant of materialize_kv: writes k_out, v_out ([n_layers, total_ctx, num_kv_heads, head_dim], any strides)."""
+    """out= variant of materialize_kv: writes k_out, v_out [n_layers, total_ctx, num_kv_heads, head_dim] in place."""
     _materialize_kv_out(
         _run_triton, k_proj, k_norm_weight, eps, eps_value, cos, sin, positions, num_kv_heads, head_dim,
         rotary_dim, interleaved, v_proj, k_out, v_out,
-    )
+    )  # fmt: skip
 
 
 materialize_k.register_kernel("cpu")(functools.partial(_materialize_k, _run_cpu))
@@ -407,20 +419,22 @@ materialize_kv_out.register_kernel("cpu")(functools.partial(_materialize_kv_out,
 
 
 @materialize_k.register_fake
-def _materialize_k_fake(k_proj, k_norm_weight, eps, eps_value, cos, sin, positions, num_kv_heads, head_dim, rotary_dim, interleaved):
-    validate_materialize_args(k_proj, k_norm_weight, eps, cos, sin, positions, num_kv_heads, head_dim, rotary_dim)
-    return _new_output(k_proj, num_kv_heads, head_dim)
+def _materialize_k_fake(*common):
+    _validate(common)
+    return _new_output(common)
 
 
 @materialize_kv.register_fake
-def _materialize_kv_fake(k_proj, k_norm_weight, eps, eps_value, cos, sin, positions, num_kv_heads, head_dim, rotary_dim, interleaved, v_proj):
-    validate_materialize_args(k_proj, k_norm_weight, eps, cos, sin, positions, num_kv_heads, head_dim, rotary_dim, v_proj)
-    return _new_output(k_proj, num_kv_heads, head_dim), _new_output(k_proj, num_kv_heads, head_dim)
+def _materialize_kv_fake(*args):
+    common, v_proj = args[:-1], args[-1]
+    _validate(common, v_proj)
+    return _new_output(common), _new_output(common)
 
 
 @materialize_kv_out.register_fake
-def _materialize_kv_out_fake(k_proj, k_norm_weight, eps, eps_value, cos, sin, positions, num_kv_heads, head_dim, rotary_dim, interleaved, v_proj, k_out, v_out):
-    validate_materialize_args(k_proj, k_norm_weight, eps, cos, sin, positions, num_kv_heads, head_dim, rotary_dim, v_proj, k_out, v_out)
+def _materialize_kv_out_fake(*args):
+    common, (v_proj, k_out, v_out) = args[:-3], args[-3:]
+    _validate(common, v_proj, k_out, v_out)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -468,15 +482,16 @@ def fused_norm_rope_stacked(
     kv_size = num_kv_heads * head_dim
     k_proj, v_proj = kv[..., :kv_size], kv[..., kv_size:]
     weights = [] if k_norm_weight is None else [k_norm_weight]
-    common = (k_proj, weights, eps, eps_value, cos_sin_cache, None, positions, num_kv_heads, head_dim, rotary_dim, interleaved)
+    common = (
+        k_proj, weights, eps, eps_value, cos_sin_cache, None, positions, num_kv_heads, head_dim, rotary_dim,
+        interleaved,
+    )  # fmt: skip
     if check_positions and _host_sync_allowed(positions):
-        validate_materialize_args(
-            k_proj, weights, eps, cos_sin_cache, None, positions, num_kv_heads, head_dim, rotary_dim, v_proj, k_out, v_out
-        )
+        _validate(common, v_proj, k_out, v_out)  # shapes first, then the range check that syncs
         check_positions_in_cache(positions, cos_sin_cache.shape[0])
     if k_out is None and v_out is None:
         return torch.ops.fx_fusion.materialize_kv(*common, v_proj)
-    k_out = k_out if k_out is not None else _new_output(k_proj, num_kv_heads, head_dim)
-    v_out = v_out if v_out is not None else _new_output(k_proj, num_kv_heads, head_dim)
+    k_out = k_out if k_out is not None else _new_output(common)
+    v_out = v_out if v_out is not None else _new_output(common)
     torch.ops.fx_fusion.materialize_kv_out(*common, v_proj, k_out, v_out)
     return k_out, v_out

@@ -20,7 +20,8 @@ call instead, which is correct but not free; a warning says so once.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+import threading
+from typing import Callable, Sequence
 
 import torch
 
@@ -51,6 +52,42 @@ def _can_rehome(parts: Sequence[torch.Tensor]) -> bool:
     return len(storages) == len(parts)
 
 
+def _warn_copy_fallback(count: int, why: str) -> None:
+    global _warned_copy_fallback
+    if not _warned_copy_fallback:
+        _warned_copy_fallback = True
+        logger.warning(
+            "fx_fusion: %d weight tensors could not be stacked in place (%s); they are concatenated on every "
+            "call instead",
+            count,
+            why,
+        )
+
+
+def _outside_graph_pools(make: Callable[[], torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Run `make` on a helper thread and wait for it.
+
+    CUDA graph trees route every allocation of the warming-up thread into their private memory pool, where
+    a tensor that outlives the graph is an error; the stacked buffer must live in the ordinary pool.
+    """
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            with torch.cuda.device(device):
+                result["tensor"] = make()
+                torch.cuda.current_stream().synchronize()
+        except BaseException as error:  # re-raised on the calling thread
+            result["error"] = error
+
+    worker = threading.Thread(target=run, name="fx_fusion-stack-weights")
+    worker.start()
+    worker.join()
+    if "error" in result:
+        raise result["error"]
+    return result["tensor"]
+
+
 def concatenated_view(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """Concatenate `parts` along dim 0 (1-D parts end to end), copying at most once per parameter set.
 
@@ -66,19 +103,18 @@ def concatenated_view(parts: Sequence[torch.Tensor]) -> torch.Tensor:
         return first
     if _already_concatenated(parts):
         return torch.as_strided(first, shape, first.stride(), first.storage_offset())
-    if not _can_rehome(parts):
-        global _warned_copy_fallback
-        if not _warned_copy_fallback:
-            _warned_copy_fallback = True
-            logger.warning(
-                "fx_fusion: %d weight tensors could not be stacked in place (views or shared storage); "
-                "they are concatenated on every call instead",
-                len(parts),
-            )
+    capturing = first.is_cuda and torch.cuda.is_current_stream_capturing()
+    if capturing or not _can_rehome(parts):
+        _warn_copy_fallback(len(parts), "inside a CUDA graph capture" if capturing else "views or shared storage")
         with torch.no_grad():
             return torch.cat([p.detach() for p in parts], dim=0)
-    with torch.no_grad(), torch.inference_mode(first.is_inference()):
-        buffer = torch.cat([p.detach() for p in parts], dim=0)
+
+    def stack() -> torch.Tensor:
+        with torch.no_grad(), torch.inference_mode(first.is_inference()):
+            return torch.cat([p.detach() for p in parts], dim=0)
+
+    buffer = _outside_graph_pools(stack, first.device) if first.is_cuda else stack()
+    with torch.no_grad():
         row = 0
         for part in parts:
             n = int(part.shape[0])

@@ -10,6 +10,7 @@ reference of tests/test_fused_kv_op.py. Exits nonzero on any mismatch; memcheck 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 
 import torch
@@ -46,12 +47,16 @@ def compiled_out_of_range_positions() -> None:
     assert_close_to_reference(k_out, expected, case.dtype)
 
 
+def check_on_cuda(case: Case) -> None:
+    check_all_variants(case, make_inputs(case, "cuda"))
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device")
         return 2
     failures = []
-    checks = {name: (lambda case=case: check_all_variants(case, make_inputs(case, "cuda"))) for name, case in CASES.items()}
+    checks = {name: functools.partial(check_on_cuda, case) for name, case in CASES.items()}
     checks["compiled-out-of-range-positions"] = compiled_out_of_range_positions
     for name, check in checks.items():
         try:

@@ -430,3 +430,44 @@ def test_explicit_stacked_spelling(device, bias):
     assert (group.n_layers, group.num_kv_heads, group.head_dim, group.bias) == (4, 2, 16, bias)
     assert sum(counting.after[op] for op in PROJECTION_OPS) == 0 and counting.after[aten.cat.default] == 0
     assert counting.after[FUSED_OP] == 1
+
+
+def test_unfused_bias_add_projection():
+    """`mm(x, W.T) + b`, the form Inductor leaves on GPU after unfusing addmm, traced to ATen here."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fx_fusion.fused_kv_pass import fuse_kv_groups
+
+    torch.manual_seed(0)
+    n_layers, hidden, heads, head_dim = 3, 48, 2, 16
+    kv = heads * head_dim
+
+    def context(x, cos, sin, weights, biases, norm_weights):  # x [T, hidden]; cos, sin [T, head_dim]
+        outs = []
+        for layer in range(n_layers):
+            wk, wv = weights[2 * layer], weights[2 * layer + 1]
+            bk, bv = biases[2 * layer], biases[2 * layer + 1]
+            k = (torch.ops.aten.mm(x, wk.t()) + bk).view(-1, heads, head_dim)
+            kf = k.float()
+            k = norm_weights[layer] * (kf * torch.rsqrt(kf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(k.dtype)
+            _, k = apply_rotary_pos_emb(k, k, cos, sin, unsqueeze_dim=1)
+            outs += [k, (torch.ops.aten.mm(x, wv.t()) + bv).view(-1, heads, head_dim)]
+        return outs
+
+    inputs = (
+        torch.randn(5, hidden),
+        torch.randn(5, head_dim),
+        torch.randn(5, head_dim),
+        [0.1 * torch.randn(kv, hidden) for _ in range(2 * n_layers)],
+        [torch.randn(kv) for _ in range(2 * n_layers)],
+        [1 + 0.1 * torch.randn(head_dim) for _ in range(n_layers)],
+    )
+    graph_module = make_fx(context, decomposition_table=select_decomp_table(), tracing_mode="fake")(*inputs)
+    assert sum(n.target is aten.mm.default for n in graph_module.graph.nodes) == 2 * n_layers
+    record = fuse_kv_groups(graph_module.graph)
+    graph_module.recompile()
+    (group,) = record.fused_groups
+    assert group.bias and group.n_layers == n_layers and group.v_as_view == n_layers
+    assert not any(n.target is aten.mm.default for n in graph_module.graph.nodes)
+    assert_close_outputs(graph_module(*inputs), context(*inputs), torch.float32)
