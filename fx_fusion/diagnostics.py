@@ -65,9 +65,12 @@ class PassRecord:
 
     fused_groups: list[FusedGroup] = dataclasses.field(default_factory=list)
     rejected: list[Rejection] = dataclasses.field(default_factory=list)
-    graph_before: str = ""
-    graph_after: str = ""
+    graph_before: str = ""  # the rewritten region(s), before
+    graph_after: str = ""  # and after
     stage: str = "post_grad"
+    # copies of the whole graph right before and after the pass, kept only while RecordSink asks for them
+    full_graph_before: Optional[torch.fx.Graph] = dataclasses.field(default=None, repr=False, compare=False)
+    full_graph_after: Optional[torch.fx.Graph] = dataclasses.field(default=None, repr=False, compare=False)
 
     def summary(self) -> str:
         fused = sum(g.n_layers for g in self.fused_groups)
@@ -86,6 +89,7 @@ class RecordSink:
     """Collects PassRecords while active (used by `fx_fusion.explain`)."""
 
     _active: Optional[list[PassRecord]] = None
+    keep_graphs: bool = False
 
     @classmethod
     def emit(cls, record: PassRecord) -> None:
@@ -95,10 +99,11 @@ class RecordSink:
 
     @classmethod
     @contextlib.contextmanager
-    def collect(cls, records: list[PassRecord]) -> Iterator[list[PassRecord]]:
-        """Append every PassRecord emitted inside the block to `records`."""
-        previous, cls._active = cls._active, records
+    def collect(cls, records: list[PassRecord], keep_graphs: bool = False) -> Iterator[list[PassRecord]]:
+        """Append every PassRecord emitted inside the block to `records` (with whole-graph copies if asked)."""
+        previous = cls._active, cls.keep_graphs
+        cls._active, cls.keep_graphs = records, keep_graphs
         try:
             yield records
         finally:
-            cls._active = previous
+            cls._active, cls.keep_graphs = previous

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 import json
 import logging
 import os
@@ -25,16 +24,13 @@ import shutil
 import time
 import warnings
 from typing import Any, Callable, Optional
-from unittest import mock
 
 import torch
 import torch._functorch.config
 import torch._inductor.config
 import torch.fx
 
-from . import backend as _backend_module
 from .diagnostics import FusedGroup, PassRecord, RecordSink, Rejection
-from .fused_kv_pass import FusedKVPass
 
 logger = logging.getLogger("fx_fusion")
 
@@ -181,42 +177,7 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Graph snapshots around the pass, and the rewritten regions as small graphs
-
-
-@dataclasses.dataclass
-class _Snapshot:
-    record: PassRecord
-    before: torch.fx.Graph  # the whole graph right before the pass
-    after: torch.fx.Graph  # and right after it
-
-
-class _Capture:
-    """Holds snapshots for one explain call (emptied when it ends, so nothing outlives the call)."""
-
-    def __init__(self) -> None:
-        self.snapshots: list[_Snapshot] = []
-
-    def pass_class(self) -> type:
-        capture = self
-
-        class _ExplainKVPass(FusedKVPass):
-            def __call__(self, graph: torch.fx.Graph) -> None:
-                if not self.enabled:
-                    return super().__call__(graph)
-                before = copy.deepcopy(graph)
-                count = len(self.records)
-                super().__call__(graph)
-                if len(self.records) > count:
-                    capture.snapshots.append(_Snapshot(self.records[-1], before, copy.deepcopy(graph)))
-
-        return _ExplainKVPass
-
-
-def _explain_backend(gm: torch.fx.GraphModule, example_inputs: list, *, options: dict, capture: _Capture):
-    """The fx_fusion backend, with its pass snapshotting the graph before and after it runs."""
-    with mock.patch.object(_backend_module, "FusedKVPass", capture.pass_class()):
-        return _backend_module.fx_fusion_backend(gm, example_inputs, options=dict(options))
+# The rewritten regions as small graphs
 
 
 _NODE_NAME = re.compile(r"^%([A-Za-z_][A-Za-z0-9_]*) :", re.MULTILINE)
@@ -249,10 +210,12 @@ def _code(graph: torch.fx.Graph) -> str:
         return "\n".join(n.format_node() for n in graph.nodes) + "\n"
 
 
-def _regions(snapshot: _Snapshot) -> tuple[Optional[torch.fx.Graph], Optional[torch.fx.Graph]]:
-    before_names = set(_NODE_NAME.findall(snapshot.record.graph_before))
-    after_names = set(_NODE_NAME.findall(snapshot.record.graph_after))
-    return _region(snapshot.before, before_names), _region(snapshot.after, after_names)
+def _regions(record: PassRecord) -> tuple[Optional[torch.fx.Graph], Optional[torch.fx.Graph]]:
+    if record.full_graph_before is None or record.full_graph_after is None:
+        return None, None
+    before_names = set(_NODE_NAME.findall(record.graph_before))
+    after_names = set(_NODE_NAME.findall(record.graph_after))
+    return _region(record.full_graph_before, before_names), _region(record.full_graph_after, after_names)
 
 
 def _joined(parts: list[str]) -> str:
@@ -286,15 +249,15 @@ def _new_files(directory: str, since: float) -> list[str]:
     return sorted(found)
 
 
-def _write_dump_files(report: FusionReport, snapshots: list[_Snapshot], dump_dir: str) -> None:
+def _write_dump_files(report: FusionReport, records: list[PassRecord], dump_dir: str) -> None:
     """The rewritten regions, the whole graph right before/after the pass, and (listed now) the report."""
     os.makedirs(dump_dir, exist_ok=True)
     files = report.files
     _write(os.path.join(dump_dir, "fx_fusion_graph_before.txt"), report.graph_before, files)
     _write(os.path.join(dump_dir, "fx_fusion_graph_after.txt"), report.graph_after, files)
-    for i, snapshot in enumerate(snapshots):
-        _write(os.path.join(dump_dir, f"fx_fusion_full_graph{i}_before.py"), _code(snapshot.before), files)
-        _write(os.path.join(dump_dir, f"fx_fusion_full_graph{i}_after.py"), _code(snapshot.after), files)
+    for i, record in enumerate(records):
+        _write(os.path.join(dump_dir, f"fx_fusion_full_graph{i}_before.py"), _code(record.full_graph_before), files)
+        _write(os.path.join(dump_dir, f"fx_fusion_full_graph{i}_after.py"), _code(record.full_graph_after), files)
     files += [os.path.join(dump_dir, name) for name in REPORT_FILES]
 
 
@@ -315,8 +278,8 @@ def _svg_problem() -> Optional[str]:
     return None
 
 
-def _write_svgs(report: FusionReport, snapshots: list[_Snapshot], svg_dir: str) -> None:
-    if not snapshots:
+def _write_svgs(report: FusionReport, records: list[PassRecord], svg_dir: str) -> None:
+    if not records:
         report.notes.append("no SVG drawn: the pass rewrote nothing")
         return
     problem = _svg_problem()
@@ -326,8 +289,8 @@ def _write_svgs(report: FusionReport, snapshots: list[_Snapshot], svg_dir: str) 
     from torch.fx.passes.graph_drawer import FxGraphDrawer
 
     os.makedirs(svg_dir, exist_ok=True)
-    for i, snapshot in enumerate(snapshots):
-        for when, region in zip(("before", "after"), _regions(snapshot)):
+    for i, record in enumerate(records):
+        for when, region in zip(("before", "after"), _regions(record)):
             if region is None:
                 continue
             name = f"fx_fusion_region{i}_{when}"
@@ -431,8 +394,6 @@ def explain(
     """
     options = dict(backend_options or {})
     fn = _unwrap(fn_or_module)
-    capture = _Capture()
-    backend = functools.partial(_explain_backend, options=options, capture=capture)
     entry = _fresh_entry(fn, _entry_name(fn))
     notes: list[str] = []
 
@@ -449,9 +410,9 @@ def explain(
 
     before = _cache_entry_counts()
     try:
-        compiled = torch.compile(entry, backend=backend, dynamic=dynamic, isolate_recompiles=True)
+        compiled = torch.compile(entry, backend="fx_fusion", options=options, dynamic=dynamic, isolate_recompiles=True)
     except TypeError:  # a torch without per-call recompile regions
-        compiled = torch.compile(entry, backend=backend, dynamic=dynamic)
+        compiled = torch.compile(entry, backend="fx_fusion", options=options, dynamic=dynamic)
     records: list[PassRecord] = []
     try:
         with contextlib.ExitStack() as stack:
@@ -459,7 +420,7 @@ def explain(
             stack.enter_context(
                 torch._functorch.config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False)
             )
-            stack.enter_context(RecordSink.collect(records))
+            stack.enter_context(RecordSink.collect(records, keep_graphs=True))
             stack.enter_context(warnings.catch_warnings())
             warnings.filterwarnings("ignore", message=".*You are trying to debug `torch.compile`.*")
             stack.enter_context(depyf_ctx)  # exits first: depyf reads the cache entries while they exist
@@ -471,9 +432,6 @@ def explain(
         _drop_new_cache_entries(before)
         del compiled, entry
 
-    snapshots = {id(s.record): s for s in capture.snapshots}
-    capture.snapshots.clear()
-    ordered = [snapshots[id(r)] for r in records if id(r) in snapshots]
     report = FusionReport(
         fused_groups=[g for r in records for g in r.fused_groups],
         rejected=[x for r in records for x in r.rejected],
@@ -487,8 +445,7 @@ def explain(
     )
     befores, afters = [], []
     for record in records:
-        snapshot = snapshots.get(id(record))
-        region_before, region_after = _regions(snapshot) if snapshot is not None else (None, None)
+        region_before, region_after = _regions(record)
         befores.append(_code(region_before) if region_before is not None else record.graph_before)
         afters.append(_code(region_after) if region_after is not None else record.graph_after)
     report.graph_before = _joined(befores)
@@ -501,9 +458,9 @@ def explain(
     if dump_dir is not None:
         if not isinstance(depyf_ctx, contextlib.nullcontext):
             report.files += _new_files(dump_dir, start_wall)
-        _write_dump_files(report, ordered, dump_dir)
+        _write_dump_files(report, records, dump_dir)
     if svg_dir is not None:
-        _write_svgs(report, [s for s in ordered if s.record.fused_groups], svg_dir)
+        _write_svgs(report, [r for r in records if r.fused_groups], svg_dir)
     if dump_dir is not None:  # last, so that they list every file written
         _write_report_files(report, dump_dir)
     return report

@@ -24,6 +24,7 @@ branch that differs is left alone and reported.
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 from typing import Optional
 
@@ -39,7 +40,7 @@ import fx_fusion.kernels.stacked_linear  # noqa: F401  (registers fx_fusion::sta
 
 from . import kv_patterns
 from .diagnostics import FusedGroup, PassRecord, RecordSink, Rejection, node_location
-from .kv_patterns import KBranch, NoMatch, Projection, is_call, static_shape, val
+from .kv_patterns import KBranch, NoMatch, Projection, is_call, val
 
 logger = logging.getLogger("fx_fusion")
 aten = torch.ops.aten
@@ -59,8 +60,11 @@ class FusedKVPass(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         if not self.enabled:
             return
+        before = copy.deepcopy(graph) if RecordSink.keep_graphs else None
         record = fuse_kv_groups(graph, self.min_layers)
         record.stage = self.stage
+        if before is not None:
+            record.full_graph_before, record.full_graph_after = before, copy.deepcopy(graph)
         self.records.append(record)
         RecordSink.emit(record)
 
