@@ -91,6 +91,12 @@ class _GraphBuilder:
         self.created.append(node)
         return node
 
+    def erase(self) -> None:
+        """Remove every node added so far (none of them has outside users yet)."""
+        for node in reversed(self.created):
+            self.graph.erase_node(node)
+        self.created.clear()
+
     def replay(self, nodes: list[torch.fx.Node], start: torch.fx.Node) -> torch.fx.Node:
         value = start
         for node in nodes:
@@ -170,6 +176,10 @@ def _find_candidates(graph: torch.fx.Graph, record: PassRecord):
                 pass
             except NoMatch as reason:
                 record.rejected.append(Rejection(str(reason), node_location(node)))
+            except Exception as error:  # a graph shape the matcher did not foresee: leave it alone
+                logger.debug("fx_fusion: could not analyse %s", node, exc_info=True)
+                reason = f"could not be analysed ({type(error).__name__}: {error})"
+                record.rejected.append(Rejection(reason, node_location(node)))
     return by_input.values()
 
 
@@ -223,29 +233,55 @@ def fuse_kv_groups(graph: torch.fx.Graph, min_layers: int = 2) -> PassRecord:
     return record
 
 
-def _check_rotary_table(table: torch.fx.Node, branch: KBranch) -> None:
-    """cos/sin must vary with the token only: size 1 on the head (and layer) axis, full size on token axes."""
+def _rotary_table_sizes(table: torch.fx.Node, branch: KBranch, hidden: torch.fx.Node) -> Optional[list]:
+    """Check that cos/sin vary with the token only (size 1 on the head and layer axes).
+
+    Returns None when the table already holds one row per token, else the size of each token axis to
+    expand it to (a table shared by several tokens, e.g. one position row for a whole batch): an int, or
+    the index of the equally sized leading dim of the hidden states `hidden` (a symbolic size).
+    """
     k_shape = val(branch.rotary.out).shape
     shape = [1] * (len(k_shape) - len(val(table).shape)) + list(val(table).shape)
     heads = branch.heads
     for axis in (heads.head_axis, heads.layer_axis):
         if axis is not None and not statically_known_true(shape[axis] == 1):
             raise NoMatch("cos/sin differ between heads or layers")
+    if all(statically_known_true(shape[axis] == k_shape[axis]) for axis in heads.token_axes):
+        return None
+    hidden_dims = list(val(hidden).shape[:-1])
+    sizes = []
     for axis in heads.token_axes:
-        if not statically_known_true(shape[axis] == k_shape[axis]):
-            raise NoMatch("cos/sin are broadcast across tokens (one row shared by several tokens)")
+        size = k_shape[axis]
+        if not (statically_known_true(shape[axis] == size) or statically_known_true(shape[axis] == 1)):
+            raise NoMatch("cos/sin do not line up with the tokens")
+        if isinstance(size, int):
+            sizes.append(size)
+            continue
+        matches = [i for i, dim in enumerate(hidden_dims) if statically_known_true(dim == size)]
+        if not matches:
+            raise NoMatch("cos/sin are shared by several tokens of a dynamic size that cannot be located")
+        sizes.append(("hidden dim", matches[0]))
+    return sizes
 
 
-def _per_token_rotary_table(builder: _GraphBuilder, table: torch.fx.Node, branch: KBranch) -> torch.fx.Node:
-    """cos or sin as [tokens, rotary_dim], tokens in projection-row order (a view when possible)."""
+def _per_token_rotary_table(
+    builder: _GraphBuilder, table: torch.fx.Node, branch: KBranch, hidden: torch.fx.Node, sizes: Optional[list]
+) -> torch.fx.Node:
+    """cos or sin as [tokens, rotary_dim], tokens in projection-row order (a view unless expanded)."""
     rank = len(val(branch.rotary.out).shape)
     node = table
     for _ in range(rank - len(val(table).shape)):
         node = builder.call(aten.unsqueeze.default, node, 0)
     heads = branch.heads
-    order = heads.token_axes + [a for a in (heads.layer_axis, heads.head_axis) if a is not None] + [rank - 1]
+    other_axes = [a for a in (heads.layer_axis, heads.head_axis) if a is not None]
+    order = heads.token_axes + other_axes + [rank - 1]
     if order != list(range(rank)):
         node = builder.call(aten.permute.default, node, order)
+    if sizes is not None:
+        token_sizes = [
+            size if isinstance(size, int) else builder.call(aten.sym_size.int, hidden, size[1]) for size in sizes
+        ]
+        node = builder.call(aten.expand.default, node, token_sizes + [1] * len(other_axes) + [-1])
     return builder.call(aten.reshape.default, node, [-1, branch.rotary.rotary_dim])
 
 
@@ -306,61 +342,66 @@ def _rewrite_group(graph, fake_mode, branches: list[KBranch], extra: list[Projec
     replaced = {p.node for p in projections} | {b.output for b in branches}
     if _depends_on([x2d, first.rotary.cos, first.rotary.sin, *eps_nodes], replaced):
         raise NoMatch("the group's inputs depend on its own outputs")
-    _check_rotary_table(first.rotary.cos, first)
-    _check_rotary_table(first.rotary.sin, first)
+    hidden = kv_patterns.base_of(x2d)
+    cos_sizes = _rotary_table_sizes(first.rotary.cos, first, hidden)
+    sin_sizes = _rotary_table_sizes(first.rotary.sin, first, hidden)
     before = _region_text(graph, projections, branches)
 
     builder = _GraphBuilder(graph, fake_mode)
-    with graph.inserting_after(_insertion_point(graph, inputs)):
-        weights = [w for p in projections for w in p.weights]
-        biases = [b for p in projections for b in p.biases]
-        proj = builder.call(torch.ops.fx_fusion.stacked_linear.default, x2d, weights, biases)
-        k_block = builder.call(aten.slice.Tensor, proj, 1, block_start, block_start + n_layers * step)
-        k_block = builder.call(aten.view.default, k_block, [-1, n_layers, step])
-        k_proj = builder.call(aten.slice.Tensor, k_block, 2, col_start, col_start + features)
-        eps_value, eps_tensor = 0.0, None
-        if first.norm is not None:
-            if eps_nodes:  # eps arrives as a tensor (dynamic floats): gather one per layer
-                device = val(proj).device  # dynamo passes unspecialized floats as CPU scalar tensors
-                eps32 = [builder.call(torch.ops.prims.convert_element_type.default, e, torch.float32) for e in eps_nodes]
-                eps_tensor = builder.call(aten.cat.default, [builder.call(aten.view.default, e, [1]) for e in eps32])
-                if val(eps_tensor).device != device:
-                    eps_tensor = builder.call(torch.ops.prims.device_put.default, eps_tensor, device)
-            else:
-                eps_value = first.norm.eps
-        cos = _per_token_rotary_table(builder, first.rotary.cos, first)
-        sin = _per_token_rotary_table(builder, first.rotary.sin, first)
-        k_all = builder.call(
-            torch.ops.fx_fusion.materialize_k.default,
-            k_proj,
-            norm_weights,
-            eps_tensor,
-            eps_value,
-            cos,
-            sin,
-            None,
-            first.heads.num_heads,
-            first.heads.head_dim,
-            first.rotary.rotary_dim,
-            first.rotary.interleaved,
-        )
-        new_outputs, layer = [], 0
-        for branch in branches:
-            if branch.n_layers == 1:  # [tokens, H, D] of this layer
-                k_branch = builder.call(aten.select.int, k_all, 0, layer)
-            else:  # stacked spelling: [tokens, n_layers, H, D]
-                k_branch = builder.call(aten.slice.Tensor, k_all, 0, layer, layer + branch.n_layers)
-                k_branch = builder.call(aten.permute.default, k_branch, [1, 0, 2, 3])
-            layer += branch.n_layers
-            k_branch = builder.call(aten.reshape.default, k_branch, [-1, branch.n_layers * features])
-            if branch.source.token_shape is not None:
-                k_branch = builder.call(aten.reshape.default, k_branch, branch.source.token_shape + [features])
-            k_branch = builder.replay(branch.layout_before_norm + branch.layout_after_norm, k_branch)
-            new_outputs.append((branch.output, k_branch))
-        pieces = []
-        for projection in projections:
-            start = offsets[projection.node]
-            pieces.append((projection.node, builder.call(aten.slice.Tensor, proj, 1, start, start + projection.out_features)))
+    try:
+        with graph.inserting_after(_insertion_point(graph, inputs)):
+            weights = [w for p in projections for w in p.weights]
+            biases = [b for p in projections for b in p.biases]
+            proj = builder.call(torch.ops.fx_fusion.stacked_linear.default, x2d, weights, biases)
+            k_block = builder.call(aten.slice.Tensor, proj, 1, block_start, block_start + n_layers * step)
+            k_block = builder.call(aten.view.default, k_block, [-1, n_layers, step])
+            k_proj = builder.call(aten.slice.Tensor, k_block, 2, col_start, col_start + features)
+            eps_value, eps_tensor = 0.0, None
+            if first.norm is not None:
+                if eps_nodes:  # eps arrives as a tensor (dynamic floats): gather one per layer
+                    device = val(proj).device  # dynamo passes unspecialized floats as CPU scalar tensors
+                    eps32 = [builder.call(torch.ops.prims.convert_element_type.default, e, torch.float32) for e in eps_nodes]
+                    eps_tensor = builder.call(aten.cat.default, [builder.call(aten.view.default, e, [1]) for e in eps32])
+                    if val(eps_tensor).device != device:
+                        eps_tensor = builder.call(torch.ops.prims.device_put.default, eps_tensor, device)
+                else:
+                    eps_value = first.norm.eps
+            cos = _per_token_rotary_table(builder, first.rotary.cos, first, hidden, cos_sizes)
+            sin = _per_token_rotary_table(builder, first.rotary.sin, first, hidden, sin_sizes)
+            k_all = builder.call(
+                torch.ops.fx_fusion.materialize_k.default,
+                k_proj,
+                norm_weights,
+                eps_tensor,
+                eps_value,
+                cos,
+                sin,
+                None,
+                first.heads.num_heads,
+                first.heads.head_dim,
+                first.rotary.rotary_dim,
+                first.rotary.interleaved,
+            )
+            new_outputs, layer = [], 0
+            for branch in branches:
+                if branch.n_layers == 1:  # [tokens, H, D] of this layer
+                    k_branch = builder.call(aten.select.int, k_all, 0, layer)
+                else:  # stacked spelling: [tokens, n_layers, H, D]
+                    k_branch = builder.call(aten.slice.Tensor, k_all, 0, layer, layer + branch.n_layers)
+                    k_branch = builder.call(aten.permute.default, k_branch, [1, 0, 2, 3])
+                layer += branch.n_layers
+                k_branch = builder.call(aten.reshape.default, k_branch, [-1, branch.n_layers * features])
+                if branch.source.token_shape is not None:
+                    k_branch = builder.call(aten.reshape.default, k_branch, branch.source.token_shape + [features])
+                k_branch = builder.replay(branch.layout_before_norm + branch.layout_after_norm, k_branch)
+                new_outputs.append((branch.output, k_branch))
+            pieces = []
+            for projection in projections:
+                start = offsets[projection.node]
+                pieces.append((projection.node, builder.call(aten.slice.Tensor, proj, 1, start, start + projection.out_features)))
+    except Exception as error:  # e.g. the op's fake kernel refusing the shapes: leave the graph as it was
+        builder.erase()
+        raise NoMatch(f"could not build the fused replacement ({type(error).__name__}: {error})") from error
     for old, new in new_outputs + pieces:
         old.replace_all_uses_with(new)
     record.graph_before += before

@@ -471,3 +471,20 @@ def test_unfused_bias_add_projection():
     assert group.bias and group.n_layers == n_layers and group.v_as_view == n_layers
     assert not any(n.target is aten.mm.default for n in graph_module.graph.nodes)
     assert_close_outputs(graph_module(*inputs), context(*inputs), torch.float32)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_positions_shared_by_the_batch(dynamic):
+    """position_ids [1, T] with hidden states [B, T, hidden]: one cos/sin row serves every sequence."""
+    module = drafts.qwen3_context_kv(3)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("fx_fusion")
+    compiled = torch.compile(module, backend=counter, dynamic=dynamic)
+    records = []
+    with torch.no_grad(), RecordSink.collect(records):
+        for batch, seq_len in ((3, 5), (2, 7)):
+            hidden, positions = drafts.example_inputs(module, batch=batch, seq_len=seq_len, seed=batch)
+            positions = positions[:1]
+            assert_close_outputs(compiled(hidden, positions), module(hidden, positions), torch.float32)
+    assert records[0].fused_groups[0].n_layers == 3, records[0].rejected
+    if dynamic:
+        assert counter.frame_count == 1
