@@ -321,8 +321,8 @@ def _launch(backend, common: tuple, v_proj, k_out, v_out) -> None:
     )  # fmt: skip
 
 
-# Op bodies, with the backend bound first: each op's default kernel (CUDA) binds `_run_triton`, its CPU
-# kernel `_run_cpu`. They validate before allocating anything.
+# Op bodies, with the backend bound first: each op's CUDA kernel binds `_run_triton`, its CPU kernel
+# `_run_cpu`. They validate before allocating anything.
 
 
 def _materialize_k(backend, *common) -> torch.Tensor:
@@ -346,92 +346,40 @@ def _materialize_kv_out(backend, *args) -> None:
     _launch(backend, common, v_proj, k_out, v_out)
 
 
-@torch.library.custom_op("fx_fusion::materialize_k", mutates_args=())
-def materialize_k(
-    k_proj: torch.Tensor,
-    k_norm_weight: list[torch.Tensor],
-    eps: Optional[torch.Tensor],
-    eps_value: float,
-    cos: torch.Tensor,
-    sin: Optional[torch.Tensor],
-    positions: Optional[torch.Tensor],
-    num_kv_heads: int,
-    head_dim: int,
-    rotary_dim: int,
-    interleaved: bool,
-) -> torch.Tensor:
-    """K only: returns k_out [n_layers, total_ctx, num_kv_heads, head_dim] (V stays a view of the projection)."""
-    return _materialize_k(
-        _run_triton, k_proj, k_norm_weight, eps, eps_value, cos, sin, positions, num_kv_heads, head_dim,
-        rotary_dim, interleaved,
-    )  # fmt: skip
+# Defined with the low-level torch.library API (schemas, per-device implementations, fake kernels): the
+# ops sit on the hot path of every compiled call, and this dispatches straight to the implementation,
+# about 15 us per call less than torch.library.custom_op's Python-side wrapper.
+_COMMON_SCHEMA = (
+    "Tensor k_proj, Tensor[] k_norm_weight, Tensor? eps, float eps_value, Tensor cos, Tensor? sin, "
+    "Tensor? positions, SymInt num_kv_heads, SymInt head_dim, SymInt rotary_dim, bool interleaved"
+)
+_library = torch.library.Library("fx_fusion", "FRAGMENT")
+_library.define(f"materialize_k({_COMMON_SCHEMA}) -> Tensor")
+_library.define(f"materialize_kv({_COMMON_SCHEMA}, Tensor v_proj) -> (Tensor, Tensor)")
+_library.define(f"materialize_kv_out({_COMMON_SCHEMA}, Tensor v_proj, Tensor(a!) k_out, Tensor(b!) v_out) -> ()")
+for _name, _body in (
+    ("materialize_k", _materialize_k),
+    ("materialize_kv", _materialize_kv),
+    ("materialize_kv_out", _materialize_kv_out),
+):
+    _library.impl(_name, functools.partial(_body, _run_triton), "CUDA")
+    _library.impl(_name, functools.partial(_body, _run_cpu), "CPU")
 
 
-@torch.library.custom_op("fx_fusion::materialize_kv", mutates_args=())
-def materialize_kv(
-    k_proj: torch.Tensor,
-    k_norm_weight: list[torch.Tensor],
-    eps: Optional[torch.Tensor],
-    eps_value: float,
-    cos: torch.Tensor,
-    sin: Optional[torch.Tensor],
-    positions: Optional[torch.Tensor],
-    num_kv_heads: int,
-    head_dim: int,
-    rotary_dim: int,
-    interleaved: bool,
-    v_proj: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V in one kernel: returns (k_out, v_out), each [n_layers, total_ctx, num_kv_heads, head_dim]."""
-    return _materialize_kv(
-        _run_triton, k_proj, k_norm_weight, eps, eps_value, cos, sin, positions, num_kv_heads, head_dim,
-        rotary_dim, interleaved, v_proj,
-    )  # fmt: skip
-
-
-@torch.library.custom_op("fx_fusion::materialize_kv_out", mutates_args=("k_out", "v_out"))
-def materialize_kv_out(
-    k_proj: torch.Tensor,
-    k_norm_weight: list[torch.Tensor],
-    eps: Optional[torch.Tensor],
-    eps_value: float,
-    cos: torch.Tensor,
-    sin: Optional[torch.Tensor],
-    positions: Optional[torch.Tensor],
-    num_kv_heads: int,
-    head_dim: int,
-    rotary_dim: int,
-    interleaved: bool,
-    v_proj: torch.Tensor,
-    k_out: torch.Tensor,
-    v_out: torch.Tensor,
-) -> None:
-    """out= variant of materialize_kv: writes k_out, v_out [n_layers, total_ctx, num_kv_heads, head_dim] in place."""
-    _materialize_kv_out(
-        _run_triton, k_proj, k_norm_weight, eps, eps_value, cos, sin, positions, num_kv_heads, head_dim,
-        rotary_dim, interleaved, v_proj, k_out, v_out,
-    )  # fmt: skip
-
-
-materialize_k.register_kernel("cpu")(functools.partial(_materialize_k, _run_cpu))
-materialize_kv.register_kernel("cpu")(functools.partial(_materialize_kv, _run_cpu))
-materialize_kv_out.register_kernel("cpu")(functools.partial(_materialize_kv_out, _run_cpu))
-
-
-@materialize_k.register_fake
+@torch.library.register_fake("fx_fusion::materialize_k")
 def _materialize_k_fake(*common):
     _validate(common)
     return _new_output(common)
 
 
-@materialize_kv.register_fake
+@torch.library.register_fake("fx_fusion::materialize_kv")
 def _materialize_kv_fake(*args):
     common, v_proj = args[:-1], args[-1]
     _validate(common, v_proj)
     return _new_output(common), _new_output(common)
 
 
-@materialize_kv_out.register_fake
+@torch.library.register_fake("fx_fusion::materialize_kv_out")
 def _materialize_kv_out_fake(*args):
     common, (v_proj, k_out, v_out) = args[:-3], args[-3:]
     _validate(common, v_proj, k_out, v_out)

@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 import torch._dynamo.testing
+import torch._functorch.config
 from torch import nn
 from transformers import LlamaConfig, Qwen3Config
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
@@ -27,9 +28,9 @@ STACKED_GEMM = torch.ops.fx_fusion.stacked_linear.default
 
 @pytest.fixture(autouse=True)
 def fresh_compile():
-    """A fresh dynamo, and Inductor's FX graph cache off so that the pass really runs (and records)."""
+    """A fresh dynamo, and the compile caches off so that the pass really runs (and records)."""
     torch._dynamo.reset()
-    with torch._inductor.config.patch(fx_graph_cache=False):
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         yield
     torch._dynamo.reset()
 
@@ -488,3 +489,25 @@ def test_positions_shared_by_the_batch(dynamic):
     assert records[0].fused_groups[0].n_layers == 3, records[0].rejected
     if dynamic:
         assert counter.frame_count == 1
+
+
+def test_training_graph_keeps_gradients():
+    """With autograd on, the pass sees the partitioned forward graph, whose K intermediates are also saved
+    for backward; whatever it does there, outputs and gradients must match eager."""
+    module = drafts.qwen3_context_kv(3)
+    hidden, positions = drafts.example_inputs(module, seq_len=5)
+    weights = [torch.randn(2, 2, 5, 32, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+
+    def gradients(fn):
+        module.zero_grad()
+        x = hidden.clone().requires_grad_(True)
+        sum((out * w).sum() for out, w in zip(fn(x, positions), weights)).backward()
+        return [x.grad, module.layers[1].k_proj.weight.grad, module.layers[2].k_norm.weight.grad]
+
+    ref = gradients(module)
+    records = []
+    with RecordSink.collect(records):
+        got = gradients(torch.compile(module, backend="fx_fusion"))
+    assert records, "the pass did not run"
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
