@@ -59,6 +59,7 @@ except ImportError:  # run from a source checkout without an install
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import fx_fusion  # noqa: F401
 
+from fx_fusion import cuda_graphs
 from fx_fusion.drafts import HandFusedContextKV, build_workload, example_inputs
 
 DEFAULT_WORKLOADS = ["qwen3-8b-dflash", "llama3-8b-ctx", "qwen3-1layer"]
@@ -121,27 +122,10 @@ class Timer:
 
 
 def capture_graph(fn: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
-    """Warm `fn` up on a side stream, capture one call into a CUDA graph, return a replaying callable."""
+    """A replaying callable of `fn` captured in a CUDA graph (after warm-up on a side stream)."""
     if device.type != "cuda":
         raise RuntimeError("CUDA graphs need a CUDA device")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = fn()
-    torch.cuda.synchronize()
-
-    def replay():
-        graph.replay()
-        return static_out
-
-    replay.graph = graph  # keep alive
-    return replay
+    return cuda_graphs.capture(fn)
 
 
 def rel_error(out: Any, ref: tuple[torch.Tensor, ...]) -> float:

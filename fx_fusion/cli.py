@@ -27,6 +27,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from . import cuda_graphs
+
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
 
@@ -100,27 +102,6 @@ def _bench_us(fn: Callable[[], Any]) -> float:
     return float(do_bench(fn, warmup=25, rep=200, return_mode="median")) * 1e3
 
 
-def _cuda_graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
-    """Capture one call of `fn` (already warm) into a CUDA graph; return a replaying callable."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-
-    def replay():
-        graph.replay()
-
-    replay.graph = graph  # keep the graph alive with the callable
-    return replay
-
-
 def _speed(model, x, pos, seq_len: int, dtype: torch.dtype) -> None:
     """Plain and CUDA-graphed median time of torch.compile default vs the fx_fusion backend."""
     name = torch.cuda.get_device_name(x.device)
@@ -134,7 +115,7 @@ def _speed(model, x, pos, seq_len: int, dtype: torch.dtype) -> None:
             torch.cuda.synchronize()
             plain = _bench_us(lambda: compiled(x, pos))
             try:
-                graphed = _bench_us(_cuda_graphed(lambda: compiled(x, pos)))
+                graphed = _bench_us(cuda_graphs.capture(lambda: compiled(x, pos)))
             except Exception as exc:  # report what ran; a capture problem is not the demo's verdict
                 print(f"  ({label}: CUDA graph capture failed: {type(exc).__name__}: {exc})")
                 graphed = math.nan
