@@ -6,7 +6,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests sanitize bench_op bench_module)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"
@@ -14,7 +14,7 @@ python -c "import torch, triton, transformers; print('torch', torch.__version__,
 for step in "${steps[@]}"; do
   echo "=== $step $(date +%T)"
   case "$step" in
-    tests) timeout 420 python -m pytest -q -x -p no:cacheprovider -k "cuda or reduce_overhead" tests 2>&1 | tail -n 60 > "$OUT/pytest_cuda.log"; tail -n 3 "$OUT/pytest_cuda.log" ;;
+    tests) timeout 420 python -m pytest -q -p no:cacheprovider -k "cuda or reduce_overhead" tests > "$OUT/pytest_cuda.log" 2>&1; tail -n 3 "$OUT/pytest_cuda.log" ;;
     sanitize) (cd tests && timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 python gpu_sanitize_cases.py) > "$OUT/sanitizer.log" 2>&1; echo "sanitizer exit $?"; tail -n 5 "$OUT/sanitizer.log" ;;
     bench_op) timeout 300 python benchmarks/bench_op.py --out "$OUT" 2>&1 | tail -n 30 ;;
     bench_module) timeout 540 python benchmarks/bench_module.py --out "$OUT" 2>&1 | tail -n 60 ;;
