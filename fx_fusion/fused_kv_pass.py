@@ -69,7 +69,8 @@ class FusedKVPass(CustomGraphPass):
         RecordSink.emit(record)
 
     def uuid(self) -> bytes:
-        files = (__file__, kv_patterns.__file__, fx_fusion.kernels.ops.__file__)
+        # what shapes the rewritten graph: the matcher, the rewrite and the ops' schemas
+        files = (__file__, kv_patterns.__file__, fx_fusion.kernels.ops.__file__, fx_fusion.kernels.stacked_linear.__file__)
         options = f"min_layers={self.min_layers},enabled={self.enabled},stage={self.stage}"
         return get_hash_for_files(files, extra=options)
 
