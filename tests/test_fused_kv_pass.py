@@ -60,6 +60,16 @@ def compile_counting(module, **kwargs):
     return torch.compile(module, options={"post_grad_custom_post_pass": counting}), counting
 
 
+def check_compiled_matches_eager(module, *inputs, dtype=torch.float32) -> CountingPass:
+    """Compile `module` with the (counting) pass under no_grad, compare with eager; return the pass."""
+    with torch.no_grad():
+        ref = module(*inputs)
+        compiled, counting = compile_counting(module)
+        got = compiled(*inputs)
+    assert_close_outputs(got, ref, dtype)
+    return counting
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 @pytest.mark.parametrize("n_layers", [2, 5])
@@ -67,12 +77,7 @@ def compile_counting(module, **kwargs):
 def test_context_kv_fused_and_exact(device, family, n_layers, dtype):
     factory = drafts.qwen3_context_kv if family == "qwen3" else drafts.llama_context_kv
     module = factory(n_layers, dtype=dtype, device=device)
-    inputs = drafts.example_inputs(module, batch=2, seq_len=7)
-    with torch.no_grad():
-        ref = module(*inputs)
-        compiled, counting = compile_counting(module)
-        got = compiled(*inputs)
-    assert_close_outputs(got, ref, dtype)
+    counting = check_compiled_matches_eager(module, *drafts.example_inputs(module, batch=2, seq_len=7), dtype=dtype)
     (record,) = counting.records
     assert len(record.fused_groups) == 1 and not record.rejected
     group = record.fused_groups[0]
@@ -141,11 +146,7 @@ def test_fused_kv_linear_partial_and_interleaved_rotary(device, interleaved, q_s
     torch.manual_seed(0)
     module = FusedKVLinearContext(interleaved=interleaved, q_size=q_size).to(device)
     x, cos, sin = (torch.randn(2, 5, n, device=device) for n in (48, 8, 8))
-    with torch.no_grad():
-        ref = module(x, cos, sin)
-        compiled, counting = compile_counting(module)
-        got = compiled(x, cos, sin)
-    assert_close_outputs(got, ref, torch.float32)
+    counting = check_compiled_matches_eager(module, x, cos, sin)
     (group,) = counting.records[0].fused_groups
     assert group.rotary_dim == 8 and group.rotary_style == ("interleaved" if interleaved else "neox")
     assert group.v_as_view == 0  # V comes from the same fused linears: no extra projections
@@ -218,11 +219,7 @@ def test_deviating_layer_left_alone_with_reason(variant, reason):
     torch.manual_seed(0)
     module = VariantContext(variant)
     x, positions = torch.randn(1, 6, 64), torch.arange(6)[None] + 2  # CPU only: graph structure, not device
-    with torch.no_grad():
-        ref = module(x, positions)
-        compiled, counting = compile_counting(module)
-        got = compiled(x, positions)
-    assert_close_outputs(got, ref, torch.float32)
+    counting = check_compiled_matches_eager(module, x, positions)
     (record,) = counting.records
     assert [g.n_layers for g in record.fused_groups] == [2]
     assert len(record.rejected) == 1, record.rejected
@@ -422,11 +419,7 @@ def test_explicit_stacked_spelling(device, bias):
     torch.manual_seed(0)
     module = StackedSpellingContext(bias=bias).to(device)
     x, cos, sin = torch.randn(6, 48, device=device), torch.randn(6, 16, device=device), torch.randn(6, 16, device=device)
-    with torch.no_grad():
-        ref = module(x, cos, sin)
-        compiled, counting = compile_counting(module)
-        got = compiled(x, cos, sin)
-    assert_close_outputs(got, ref, torch.float32)
+    counting = check_compiled_matches_eager(module, x, cos, sin)
     (group,) = counting.records[0].fused_groups
     assert (group.n_layers, group.num_kv_heads, group.head_dim, group.bias) == (4, 2, 16, bias)
     assert sum(counting.after[op] for op in PROJECTION_OPS) == 0 and counting.after[aten.cat.default] == 0
