@@ -170,7 +170,16 @@ def _find_candidates(graph: torch.fx.Graph, record: PassRecord):
                 continue
         entry = by_input[(kv_patterns.base_of(projection.x2d), str(val(projection.x2d).shape))]
         entry["projections"].append(projection)
-        for source in kv_patterns.branch_sources(projection):
+        sources = kv_patterns.branch_sources(projection)
+        if sources[0].node is not projection.node:
+            # Column slices may be separate branches (a fused kv/qkv linear) or parts of one head-split
+            # branch (partial rotary on a single head): the whole-projection reading wins when it matches.
+            try:
+                entry["branches"].append(kv_patterns.match_k_branch(projection, kv_patterns.whole(projection)))
+                continue
+            except NoMatch:
+                pass
+        for source in sources:
             try:
                 entry["branches"].append(kv_patterns.match_k_branch(projection, source))
             except kv_patterns.NotKBranch:

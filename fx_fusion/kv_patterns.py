@@ -339,9 +339,22 @@ def _slice_args(node) -> tuple:
     return dim, start, end, step
 
 
+def _same_value(a, b) -> bool:
+    """a and b are one node, or slices taken the same way of the same value (the graph is not CSE'd:
+    `k[..., :r] * cos + rotate(k[..., :r]) * sin` slices k twice)."""
+    if a is b:
+        return True
+    return (
+        is_call(a, aten.slice.Tensor)
+        and is_call(b, aten.slice.Tensor)
+        and _slice_args(a) == _slice_args(b)
+        and _same_value(a.args[0], b.args[0])
+    )
+
+
 def _last_dim_slice(node, source, rank, width) -> Optional[tuple[int, int, int]]:
     """(start, end, step) when node = source[..., start:end:step], else None (end clamped to width)."""
-    if not is_call(node, aten.slice.Tensor) or node.args[0] is not source:
+    if not is_call(node, aten.slice.Tensor) or not _same_value(node.args[0], source):
         return None
     dim, start, end, step = _slice_args(node)
     if not all(isinstance(v, int) for v in (dim, start, end, step)) or dim % rank != rank - 1:
@@ -591,6 +604,11 @@ class BranchSource:
         return list(self.prefix[-1].args[1][:-1]) if self.prefix else None
 
 
+def whole(projection: Projection) -> BranchSource:
+    """The projection's whole output as a branch source."""
+    return BranchSource(projection.node, 0, [])
+
+
 def branch_sources(projection: Projection) -> list[BranchSource]:
     """Where K branches may start on a projection: the mm itself, or each column slice of it."""
     node, width = projection.node, projection.layer_width
@@ -601,10 +619,9 @@ def branch_sources(projection: Projection) -> list[BranchSource]:
             break
         prefix.append(user)
         node = user
-    whole = [BranchSource(projection.node, 0, [])]
     slices = _column_slices(node, len(val(node).shape), width, 0)
     if not slices:
-        return whole
+        return [whole(projection)]
     return [BranchSource(sliced, col_start, prefix) for sliced, col_start in slices]
 
 

@@ -7,6 +7,8 @@ import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch._dynamo.testing
 import torch._functorch.config
 from torch import nn
@@ -504,3 +506,70 @@ def test_training_graph_keeps_gradients():
     assert records, "the pass did not run"
     for g, r in zip(got, ref):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
+class RandomContext(nn.Module):
+    """A context K/V module drawn from the supported variants (for the property test below)."""
+
+    def __init__(self, n_layers, heads, head_dim, rotary_dim, interleaved, k_norm, bias, heads_first, hidden=32):
+        super().__init__()
+        self.heads, self.head_dim, self.rotary_dim = heads, head_dim, rotary_dim
+        self.interleaved, self.heads_first = interleaved, heads_first
+        kv = heads * head_dim
+        self.k = nn.ModuleList([nn.Linear(hidden, kv, bias=bias) for _ in range(n_layers)])
+        self.v = nn.ModuleList([nn.Linear(hidden, kv, bias=bias) for _ in range(n_layers)])
+        self.norms = nn.ModuleList([Qwen3RMSNorm(head_dim, eps=1e-5) for _ in range(n_layers)]) if k_norm else None
+        if k_norm:
+            for norm in self.norms:
+                nn.init.normal_(norm.weight, 1.0, 0.2)
+
+    def rotate(self, x):
+        if self.interleaved:
+            return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    def forward(self, x, cos, sin):  # x [B, T, hidden]; cos, sin [B, T, rotary_dim]
+        B, T, _ = x.shape
+        head_axis = 1 if self.heads_first else 2
+        cos, sin = cos.unsqueeze(head_axis), sin.unsqueeze(head_axis)
+        outs = []
+        for layer, (k_proj, v_proj) in enumerate(zip(self.k, self.v)):
+            k = k_proj(x).view(B, T, self.heads, self.head_dim)
+            if self.norms is not None:
+                k = self.norms[layer](k)
+            if self.heads_first:
+                k = k.transpose(1, 2)
+            r = self.rotary_dim
+            k = torch.cat((k[..., :r] * cos + self.rotate(k[..., :r]) * sin, k[..., r:]), dim=-1) if r < self.head_dim else k * cos + self.rotate(k) * sin
+            outs += [k, v_proj(x).view(B, T, self.heads, self.head_dim)]
+        return tuple(outs)
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    n_layers=st.integers(2, 4),
+    heads=st.integers(1, 3),
+    head_dim=st.sampled_from([16, 32]),
+    partial=st.booleans(),
+    interleaved=st.booleans(),
+    k_norm=st.booleans(),
+    bias=st.booleans(),
+    heads_first=st.booleans(),
+    batch=st.integers(1, 2),
+    seq_len=st.integers(2, 6),
+)
+def test_random_variants_fuse_and_match_eager(
+    n_layers, heads, head_dim, partial, interleaved, k_norm, bias, heads_first, batch, seq_len
+):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    rotary_dim = head_dim // 2 if partial else head_dim
+    module = RandomContext(n_layers, heads, head_dim, rotary_dim, interleaved, k_norm, bias, heads_first)
+    x = torch.randn(batch, seq_len, 32)
+    cos, sin = torch.randn(batch, seq_len, rotary_dim), torch.randn(batch, seq_len, rotary_dim)
+    counting = check_compiled_matches_eager(module, x, cos, sin)
+    (group,) = counting.records[0].fused_groups
+    assert (group.n_layers, group.num_kv_heads, group.head_dim, group.rotary_dim) == (n_layers, heads, head_dim, rotary_dim)
+    assert (group.k_norm, group.bias, group.rotary_style == "interleaved") == (k_norm, bias, interleaved)
+    assert sum(counting.after[op] for op in PROJECTION_OPS) == 0 and counting.after[FUSED_OP] == 1
