@@ -558,17 +558,18 @@ class RandomContext(nn.Module):
     heads_first=st.booleans(),
     batch=st.integers(1, 2),
     seq_len=st.integers(2, 6),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
 )
 def test_random_variants_fuse_and_match_eager(
-    n_layers, heads, head_dim, partial, interleaved, k_norm, bias, heads_first, batch, seq_len
+    n_layers, heads, head_dim, partial, interleaved, k_norm, bias, heads_first, batch, seq_len, dtype
 ):
     torch._dynamo.reset()
     torch.manual_seed(0)
     rotary_dim = head_dim // 2 if partial else head_dim
-    module = RandomContext(n_layers, heads, head_dim, rotary_dim, interleaved, k_norm, bias, heads_first)
-    x = torch.randn(batch, seq_len, 32)
-    cos, sin = torch.randn(batch, seq_len, rotary_dim), torch.randn(batch, seq_len, rotary_dim)
-    counting = check_compiled_matches_eager(module, x, cos, sin)
+    module = RandomContext(n_layers, heads, head_dim, rotary_dim, interleaved, k_norm, bias, heads_first).to(dtype)
+    x = torch.randn(batch, seq_len, 32, dtype=dtype)
+    cos, sin = (torch.randn(batch, seq_len, rotary_dim, dtype=dtype) for _ in range(2))
+    counting = check_compiled_matches_eager(module, x, cos, sin, dtype=dtype)
     (group,) = counting.records[0].fused_groups
     assert (group.n_layers, group.num_kv_heads, group.head_dim, group.rotary_dim) == (n_layers, heads, head_dim, rotary_dim)
     assert (group.k_norm, group.bias, group.rotary_style == "interleaved") == (k_norm, bias, interleaved)
