@@ -105,6 +105,14 @@ def test_bias_through_backend(device):
     assert group.bias and group.n_layers == 3
 
 
+def rotate(x, interleaved):
+    """sign(i) * x[partner(i)]: GPT-J pairs when interleaved, else neox rotate-half."""
+    if interleaved:
+        return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
 class FusedKVLinearContext(nn.Module):
     """Each layer projects K and V with ONE linear ([2*kv, hidden]) and slices it; partial rotary."""
 
@@ -119,10 +127,7 @@ class FusedKVLinearContext(nn.Module):
             nn.init.normal_(norm.weight, 1.0, 0.2)
 
     def rotate(self, x):
-        if self.interleaved:
-            return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
-        half = x.shape[-1] // 2
-        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return rotate(x, self.interleaved)
 
     def forward(self, x, cos, sin):
         B, T, _ = x.shape
@@ -524,10 +529,7 @@ class RandomContext(nn.Module):
                 nn.init.normal_(norm.weight, 1.0, 0.2)
 
     def rotate(self, x):
-        if self.interleaved:
-            return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
-        half = x.shape[-1] // 2
-        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return rotate(x, self.interleaved)
 
     def forward(self, x, cos, sin):  # x [B, T, hidden]; cos, sin [B, T, rotary_dim]
         B, T, _ = x.shape
