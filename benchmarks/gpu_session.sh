@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One GPU session: CUDA tests, the memory checker on the kernel, and both benchmarks.
-#   OUT=/some/dir bash benchmarks/gpu_session.sh [tests] [sanitize] [bench_op] [bench_module] [bench_module_quick]
+# One GPU session: CUDA tests, the memory checker on the kernel, the benchmarks, the host-cost breakdown.
+#   OUT=/some/dir bash benchmarks/gpu_session.sh [tests] [sanitize] [bench_op] [bench_module] [bench_module_quick] [host]
 # Runs from a source checkout without installing (fx_fusion finds kernels/ beside it); logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +18,7 @@ for step in "${steps[@]}"; do
     sanitize) (cd tests && timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 python gpu_sanitize_cases.py) > "$OUT/sanitizer.log" 2>&1; echo "sanitizer exit $?"; tail -n 5 "$OUT/sanitizer.log" ;;
     bench_op) timeout 300 python benchmarks/bench_op.py --out "$OUT" 2>&1 | tail -n 30 ;;
     bench_module) timeout 540 python benchmarks/bench_module.py --out "$OUT" 2>&1 | tail -n 60 ;;
+    host) timeout 240 python benchmarks/host_overhead.py --out "$OUT" 2>&1 | tail -n 60 ;;
     bench_module_quick) timeout 400 python benchmarks/bench_module.py --quick --out "$OUT" 2>&1 | tail -n 40 ;;
   esac
 done

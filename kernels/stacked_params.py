@@ -9,11 +9,11 @@ module's parameters then *are* views of the buffer, so
 - later calls find the inputs already laid out back to back and return a view, with no copy;
 - in-place updates of a parameter (`load_state_dict`, `param.copy_`) write into the buffer and are seen
   by the next call, also by a replayed CUDA graph, since the buffer's address does not change;
-- a parameter replaced by a new tensor is simply re-homed again on the next call.
+- a parameter replaced by a new tensor is re-homed on the next call, with the others, onto a new buffer.
 
 Memory: the stacked buffer replaces the parameters' own storage, so steady state costs nothing extra; the
 first call holds both copies for a moment. Inputs that cannot be re-homed without changing what other
-tensors see (views of another tensor, the same tensor twice, overlapping storage) are concatenated on every
+tensors see (views of another tensor, the same tensor twice, shared storage) are concatenated on every
 call instead, which is correct but not free; a warning says so once.
 """
 
@@ -28,28 +28,49 @@ import torch
 logger = logging.getLogger("fx_fusion")
 
 _warned_copy_fallback = False
+# Set on every re-homed tensor: the address of the stacked buffer's storage it was given.
+_STACKED_STORAGE_ATTR = "_fx_fusion_stacked_storage"
 
 
 def _already_concatenated(parts: Sequence[torch.Tensor]) -> bool:
+    """True when the parts lie back to back, in order, inside the first part's storage.
+
+    Every part's data must start where the previous one ends and stay within the first part's storage;
+    a live storage's memory belongs to it alone, so the parts are then views of that one storage.
+    """
     first = parts[0]
-    storage_ptr = first.untyped_storage().data_ptr()
-    expected_offset = first.storage_offset()
+    storage = first.untyped_storage()
+    storage_end = storage.data_ptr() + storage.nbytes()
+    item_size = first.element_size()
+    expected_ptr = first.data_ptr()
     for part in parts:
-        if not part.is_contiguous() or part.untyped_storage().data_ptr() != storage_ptr:
+        if part.data_ptr() != expected_ptr or not part.is_contiguous() or part.dtype != first.dtype:
             return False
-        if part.storage_offset() != expected_offset:
-            return False
-        expected_offset += part.numel()
-    return True
+        expected_ptr += part.numel() * item_size
+    return expected_ptr <= storage_end
 
 
 def _can_rehome(parts: Sequence[torch.Tensor]) -> bool:
-    storages = set()
+    """True when giving every part a new storage changes what no other tensor sees.
+
+    Parts must be distinct tensors with their own storage, or still sit on a buffer stacked here earlier
+    (replacing one stacked parameter leaves the others on the old buffer, which only they use).
+    """
+    seen = set()
     for part in parts:
-        if part._base is not None or part.is_inference() != parts[0].is_inference():
+        if part.is_inference() != parts[0].is_inference():
             return False
-        storages.add(part.untyped_storage().data_ptr())
-    return len(storages) == len(parts)
+        storage_ptr = part.untyped_storage().data_ptr()
+        if getattr(part, _STACKED_STORAGE_ATTR, None) == storage_ptr:
+            key = ("slot", part.data_ptr())
+        elif part._base is None:
+            key = ("storage", storage_ptr)
+        else:
+            return False
+        if key in seen:
+            return False
+        seen.add(key)
+    return True
 
 
 def _warn_copy_fallback(count: int, why: str) -> None:
@@ -119,5 +140,6 @@ def concatenated_view(parts: Sequence[torch.Tensor]) -> torch.Tensor:
         for part in parts:
             n = int(part.shape[0])
             part.data = buffer[row : row + n]
+            setattr(part, _STACKED_STORAGE_ATTR, buffer.untyped_storage().data_ptr())
             row += n
     return buffer
