@@ -14,6 +14,9 @@ other linears on x with the same output width (the V projections). It replaces t
     k_l   = k_all[l] re-laid out exactly as the original branch laid out its K
     v_l   = a view of proj's columns (nothing to compute)
 
+and computes the group's rotary angles, where Hugging Face forms them as an outer-product matmul, as the
+equal broadcast multiply (see rotary_angles), so Inductor fuses them into the cos/sin kernel.
+
 Why it is safe: every piece of a branch is matched exactly (see kv_patterns); the layout ops of the
 original branch are replayed on the fused output, so every consumer sees the same shape, dtype and
 element order; weights are stacked once, by re-homing the parameters onto the stacked buffer (see
@@ -38,7 +41,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 import fx_fusion.kernels.ops  # noqa: F401  (registers fx_fusion::materialize_*)
 import fx_fusion.kernels.stacked_linear  # noqa: F401  (registers fx_fusion::stacked_linear)
 
-from . import kv_patterns
+from . import kv_patterns, rotary_angles
 from .diagnostics import FusedGroup, PassRecord, RecordSink, Rejection, node_location
 from .kv_patterns import KBranch, NoMatch, Projection, is_call, val
 
@@ -70,7 +73,13 @@ class FusedKVPass(CustomGraphPass):
 
     def uuid(self) -> bytes:
         # what shapes the rewritten graph: the matcher, the rewrite and the ops' schemas
-        files = (__file__, kv_patterns.__file__, fx_fusion.kernels.ops.__file__, fx_fusion.kernels.stacked_linear.__file__)
+        files = (
+            __file__,
+            kv_patterns.__file__,
+            rotary_angles.__file__,
+            fx_fusion.kernels.ops.__file__,
+            fx_fusion.kernels.stacked_linear.__file__,
+        )
         options = f"min_layers={self.min_layers},enabled={self.enabled},stage={self.stage}"
         return get_hash_for_files(files, extra=options)
 
@@ -414,8 +423,9 @@ def _rewrite_group(graph, fake_mode, branches: list[KBranch], extra: list[Projec
         raise NoMatch(f"could not build the fused replacement ({type(error).__name__}: {error})") from error
     for old, new in new_outputs + pieces:
         old.replace_all_uses_with(new)
+    angles = rotary_angles.outer_products_to_mul(graph, fake_mode, [first.rotary.cos, first.rotary.sin])
     record.graph_before += before
-    record.graph_after += "\n".join(n.format_node() for n in builder.created) + "\n"
+    record.graph_after += "\n".join(n.format_node() for n in angles + builder.created) + "\n"
     return FusedGroup(
         n_layers=n_layers,
         num_kv_heads=first.heads.num_heads,
@@ -425,6 +435,7 @@ def _rewrite_group(graph, fake_mode, branches: list[KBranch], extra: list[Projec
         k_norm=first.norm is not None,
         bias=bool(first.projection.biases),
         v_as_view=len(projections) - len({b.projection.node for b in branches}),
+        rotary_matmuls_as_mul=len(angles),
         layers=[node_location(b.projection.node) for b in branches],
     )
 

@@ -91,6 +91,9 @@ def test_context_kv_fused_and_exact(device, family, n_layers, dtype):
     assert sum(counting.after[op] for op in PROJECTION_OPS) == 0
     assert counting.after[FUSED_OP] == 1 and counting.after[STACKED_GEMM] == 1
     assert counting.after[aten.rsqrt.default] == 0 and counting.after[aten.neg.default] == 0
+    # The HF rotary angles' outer-product bmm becomes a multiply (on CPU, Inductor decomposes it earlier).
+    assert group.rotary_matmuls_as_mul == (1 if device == "cuda" else 0)
+    assert counting.after[aten.bmm.default] == 0
 
 
 @pytest.mark.parametrize("device", DEVICES)
