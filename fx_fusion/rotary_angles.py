@@ -9,7 +9,7 @@ inputs and before the pointwise cos/sin kernel. With an inner dimension of 1 eve
 product, so the matmul equals the broadcast multiply `a * b` exactly: one IEEE multiply, scaled by
 alpha = 1 with nothing added, provided float32 matmuls may not use TF32 or bf16 (torch's default
 precision, "highest"; checked when the pass runs). The multiply changes no value and lets Inductor fuse the
-angles into the cos/sin kernel: at small T the per-call cos/sin work drops from four GPU operations to one.
+angles into its pointwise cos/sin kernel instead of launching the bmm and the kernels around it.
 
 Only ancestors of a fused group's cos/sin tables are rewritten, and only matmuls of that exact form.
 """
