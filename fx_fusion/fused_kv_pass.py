@@ -41,9 +41,11 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 import fx_fusion.kernels.ops  # noqa: F401  (registers fx_fusion::materialize_*)
 import fx_fusion.kernels.stacked_linear  # noqa: F401  (registers fx_fusion::stacked_linear)
 
-from . import kv_patterns, rotary_angles
+from . import kv_patterns, rotary_action, rotary_angles
 from .diagnostics import FusedGroup, PassRecord, RecordSink, Rejection, node_location
 from .kv_patterns import KBranch, NoMatch, Projection, is_call, val
+from . import values
+from .values import ValueKeys
 
 logger = logging.getLogger("fx_fusion")
 aten = torch.ops.aten
@@ -76,7 +78,9 @@ class FusedKVPass(CustomGraphPass):
         files = (
             __file__,
             kv_patterns.__file__,
+            rotary_action.__file__,
             rotary_angles.__file__,
+            values.__file__,
             fx_fusion.kernels.ops.__file__,
             fx_fusion.kernels.stacked_linear.__file__,
         )
@@ -94,11 +98,11 @@ class _GraphBuilder:
 
     def call(self, target, *args, **kwargs) -> torch.fx.Node:
         node = self.graph.call_function(target, args, kwargs)
+        self.created.append(node)  # before its value: a refusal below must still erase it
         if self.fake_mode is not None:
             fake_args, fake_kwargs = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
             with self.fake_mode:
                 node.meta["val"] = target(*fake_args, **fake_kwargs)
-        self.created.append(node)
         return node
 
     def erase(self) -> None:
@@ -120,25 +124,26 @@ def _fake_mode(graph: torch.fx.Graph) -> Optional[FakeTensorMode]:
     return detect_fake_mode([n.meta.get("val") for n in graph.nodes if n.op == "placeholder"])
 
 
-def _group_key(branch: KBranch) -> tuple:
-    """What layers must share to be fused together, as (field name, value) pairs."""
+def _group_key(branch: KBranch, same_value: ValueKeys) -> tuple:
+    """What layers must share to be fused together, as (field name, value) pairs. Inputs are compared as
+    values (the same op on the same arguments), never as look-alikes."""
     norm, rotary, proj = branch.norm, branch.rotary, branch.projection
     eps = None
-    if norm is not None:
-        eps = norm.eps if isinstance(norm.eps, float) else "tensor"
+    if norm is not None:  # eps tensors (dynamic floats) are read per layer by the fused op
+        eps = norm.eps if isinstance(norm.eps, float) else "per-layer tensor"
     return (
-        ("input", kv_patterns.base_of(proj.x2d)),
-        ("input shape", str(val(proj.x2d).shape)),
+        ("input", same_value(proj.x2d)),
         ("dtype", val(proj.node).dtype),
         ("num_kv_heads", branch.heads.num_heads),
         ("head_dim", branch.heads.head_dim),
         ("rotary_dim", rotary.rotary_dim),
         ("rotary style", "interleaved" if rotary.interleaved else "neox"),
-        ("cos", kv_patterns.base_of(rotary.cos)),
-        ("sin", kv_patterns.base_of(rotary.sin)),
-        ("cos/sin shape", str(val(rotary.cos).shape)),
+        ("cos", (same_value(rotary.cos.node), rotary.cos.mode)),
+        ("sin", (same_value(rotary.sin.node), rotary.sin.mode)),
         ("k_norm", norm is not None),
         ("eps", eps),
+        ("norm weight offset", norm.weight_offset if norm else None),
+        ("norm rounding", norm.weight_in_float32 if norm else None),
         ("bias", bool(proj.biases)),
         ("projection width", proj.layer_width),
         ("K column in projection", branch.source.col_start),
@@ -151,9 +156,10 @@ def _describe_difference(key: tuple, group_key: tuple) -> str:
     return "differs from the fused group in " + ", ".join(fields)
 
 
-def _find_candidates(graph: torch.fx.Graph, record: PassRecord):
-    """Projections grouped by their input, K branches found on them, and rejected K-like branches."""
-    by_input: dict = collections.defaultdict(lambda: {"projections": [], "branches": []})
+def _find_candidates(graph: torch.fx.Graph, record: PassRecord, same_value: ValueKeys):
+    """Projections grouped by their input value, the K branches found on them, and why the other
+    projections are not K branches (rejected K-like branches go to the record)."""
+    by_input: dict = collections.defaultdict(lambda: {"projections": [], "branches": [], "not_k": {}})
     concatenated = {}
     for node in graph.nodes:
         try:
@@ -177,7 +183,7 @@ def _find_candidates(graph: torch.fx.Graph, record: PassRecord):
                 projection = kv_patterns.match_projection(node)
             except NoMatch:
                 continue
-        entry = by_input[(kv_patterns.base_of(projection.x2d), str(val(projection.x2d).shape))]
+        entry = by_input[same_value(projection.x2d)]
         entry["projections"].append(projection)
         sources = kv_patterns.branch_sources(projection)
         if sources[0].node is not projection.node:
@@ -191,8 +197,8 @@ def _find_candidates(graph: torch.fx.Graph, record: PassRecord):
         for source in sources:
             try:
                 entry["branches"].append(kv_patterns.match_k_branch(projection, source))
-            except kv_patterns.NotKBranch:
-                pass
+            except kv_patterns.NotKBranch as reason:
+                entry["not_k"][projection.node] = str(reason)
             except NoMatch as reason:
                 record.rejected.append(Rejection(str(reason), node_location(node)))
             except Exception as error:  # a graph shape the matcher did not foresee: leave it alone
@@ -205,15 +211,15 @@ def _find_candidates(graph: torch.fx.Graph, record: PassRecord):
 def fuse_kv_groups(graph: torch.fx.Graph, min_layers: int = 2) -> PassRecord:
     record = PassRecord()
     fake_mode = _fake_mode(graph)
-    for entry in _find_candidates(graph, record):
+    same_value = ValueKeys()
+    for entry in _find_candidates(graph, record, same_value):
         branches: list[KBranch] = entry["branches"]
-        if not branches:
-            continue
+        fused_projections = set()
         keyed = collections.defaultdict(list)
         for branch in branches:
-            keyed[_group_key(branch)].append(branch)
+            keyed[_group_key(branch, same_value)].append(branch)
         ordered = sorted(keyed.items(), key=lambda kv: -sum(b.n_layers for b in kv[1]))
-        main_key = ordered[0][0]
+        main_key = ordered[0][0] if ordered else None
         for key, members in ordered:
             if key != main_key:
                 for branch in members:
@@ -241,15 +247,33 @@ def fuse_kv_groups(graph: torch.fx.Graph, min_layers: int = 2) -> PassRecord:
             ]
             try:
                 group = _rewrite_group(graph, fake_mode, members, extra, record)
-            except NoMatch as reason:
+            except Exception as error:  # never fail a compile: leave the group as it was, say why
+                reason = str(error) if isinstance(error, NoMatch) else f"could not be fused ({type(error).__name__}: {error})"
+                logger.debug("fx_fusion: group left alone", exc_info=True)
                 for branch in members:
-                    record.rejected.append(Rejection(str(reason), node_location(branch.projection.node)))
+                    record.rejected.append(Rejection(reason, node_location(branch.projection.node)))
                 continue
             record.fused_groups.append(group)
+            fused_projections |= used | {p.node for p in extra}
+        _explain_plain_projections(entry, fused_projections, record)
     if record.fused_groups:
         stable_topological_sort(graph)
         graph.eliminate_dead_code()
     return record
+
+
+def _explain_plain_projections(entry: dict, fused: set, record: PassRecord) -> None:
+    """Give a reason for every unfused projection that has a same-width sibling on the same input (a
+    layer's K or V that a user may expect to see fused), unless its K branch was already reported."""
+    reported = {b.projection.node for b in entry["branches"]}
+    widths = collections.Counter(p.out_features for p in entry["projections"])
+    for projection in entry["projections"]:
+        node = projection.node
+        if node in fused or node in reported or widths[projection.out_features] < 2:
+            continue
+        reason = entry["not_k"].get(node, "not a K projection")
+        if not any(r.location == node_location(node) for r in record.rejected):
+            record.rejected.append(Rejection(f"left as a plain linear: {reason}", node_location(node)))
 
 
 def _rotary_table_sizes(table: torch.fx.Node, branch: KBranch, hidden: torch.fx.Node) -> Optional[list]:
@@ -284,10 +308,12 @@ def _rotary_table_sizes(table: torch.fx.Node, branch: KBranch, hidden: torch.fx.
 
 
 def _per_token_rotary_table(
-    builder: _GraphBuilder, table: torch.fx.Node, branch: KBranch, hidden: torch.fx.Node, sizes: Optional[list]
+    builder: _GraphBuilder, table: rotary_action.Table, branch: KBranch, hidden: torch.fx.Node, sizes: Optional[list]
 ) -> torch.fx.Node:
-    """cos or sin as [tokens, rotary_dim], tokens in projection-row order (a view unless expanded)."""
+    """cos or sin as [tokens, rotary_dim], tokens in projection-row order (a view unless expanded or
+    widened from half width)."""
     rank = len(val(branch.rotary.out).shape)
+    table_spec, table = table, table.node
     node = table
     for _ in range(rank - len(val(table).shape)):
         node = builder.call(aten.unsqueeze.default, node, 0)
@@ -301,7 +327,16 @@ def _per_token_rotary_table(
             size if isinstance(size, int) else builder.call(aten.sym_size.int, hidden, size[1]) for size in sizes
         ]
         node = builder.call(aten.expand.default, node, token_sizes + [1] * len(other_axes) + [-1])
-    return builder.call(aten.reshape.default, node, [-1, branch.rotary.rotary_dim])
+    rotary_dim = branch.rotary.rotary_dim
+    width = rotary_dim if table_spec.mode == "full" else rotary_dim // 2
+    node = builder.call(aten.reshape.default, node, [-1, width])
+    if table_spec.mode == "neox":  # the same frequencies for both halves
+        node = builder.call(aten.cat.default, [node, node], -1)
+    elif table_spec.mode == "interleaved":  # each frequency for a pair of elements
+        node = builder.call(aten.unsqueeze.default, node, -1)
+        node = builder.call(aten.expand.default, node, [-1, -1, 2])
+        node = builder.call(aten.reshape.default, node, [-1, rotary_dim])
+    return node
 
 
 def _insertion_point(graph: torch.fx.Graph, inputs: list[torch.fx.Node]) -> torch.fx.Node:
@@ -356,14 +391,15 @@ def _rewrite_group(graph, fake_mode, branches: list[KBranch], extra: list[Projec
     x2d = min((p.x2d for p in projections), key=lambda n: list(graph.nodes).index(n))
     norm_weights = [b.norm.weight for b in branches] if first.norm else []
     eps_nodes = [b.norm.eps for b in branches for _ in range(b.n_layers) if first.norm and isinstance(b.norm.eps, torch.fx.Node)]
-    inputs = [x2d, first.rotary.cos, first.rotary.sin, *norm_weights, *eps_nodes]
+    cos_table, sin_table = first.rotary.cos.node, first.rotary.sin.node
+    inputs = [x2d, cos_table, sin_table, *norm_weights, *eps_nodes]
     inputs += [w for p in projections for w in p.weights + p.biases]
     replaced = {p.node for p in projections} | {b.output for b in branches}
-    if _depends_on([x2d, first.rotary.cos, first.rotary.sin, *eps_nodes], replaced):
+    if _depends_on([x2d, cos_table, sin_table, *eps_nodes], replaced):
         raise NoMatch("the group's inputs depend on its own outputs")
     hidden = kv_patterns.base_of(x2d)
-    cos_sizes = _rotary_table_sizes(first.rotary.cos, first, hidden)
-    sin_sizes = _rotary_table_sizes(first.rotary.sin, first, hidden)
+    cos_sizes = _rotary_table_sizes(cos_table, first, hidden)
+    sin_sizes = _rotary_table_sizes(sin_table, first, hidden)
     before = _region_text(graph, projections, branches)
 
     builder = _GraphBuilder(graph, fake_mode)
@@ -400,6 +436,8 @@ def _rewrite_group(graph, fake_mode, branches: list[KBranch], extra: list[Projec
                 first.heads.head_dim,
                 first.rotary.rotary_dim,
                 first.rotary.interleaved,
+                first.norm.weight_offset if first.norm else 0.0,
+                first.norm.weight_in_float32 if first.norm else False,
             )
             new_outputs, layer = [], 0
             for branch in branches:
@@ -423,7 +461,7 @@ def _rewrite_group(graph, fake_mode, branches: list[KBranch], extra: list[Projec
         raise NoMatch(f"could not build the fused replacement ({type(error).__name__}: {error})") from error
     for old, new in new_outputs + pieces:
         old.replace_all_uses_with(new)
-    angles = rotary_angles.outer_products_to_mul(graph, fake_mode, [first.rotary.cos, first.rotary.sin])
+    angles = rotary_angles.outer_products_to_mul(graph, fake_mode, [cos_table, sin_table])
     record.graph_before += before
     record.graph_after += "\n".join(n.format_node() for n in angles + builder.created) + "\n"
     return FusedGroup(

@@ -24,6 +24,8 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from . import rotary_action
+
 aten = torch.ops.aten
 prims = torch.ops.prims
 
@@ -200,6 +202,8 @@ class RMSNorm:
     weight_shape: list[int]  # the weight as the norm broadcasts it (e.g. [n_layers, 1, head_dim])
     eps: Union[float, torch.fx.Node]
     width: int  # size of the normalised (last) dim
+    weight_offset: float = 0.0  # the norm scales by (weight_offset + weight): 1.0 in Gemma's form
+    weight_in_float32: bool = False  # weight applied before the one rounding back (else after it)
 
 
 def _single_user(node: torch.fx.Node, what: str) -> torch.fx.Node:
@@ -217,10 +221,19 @@ def _other_arg(node: torch.fx.Node, known) -> object:
     raise NoMatch(f"{node.name} does not read {known}")
 
 
+def _is_cast(node, dtype=None) -> bool:
+    return is_call(node, prims.convert_element_type.default) and (dtype is None or node.args[1] == dtype)
+
+
+def _is_unit_scale(node) -> bool:
+    """`t * 1` (how `1 / t` reaches the graph: reciprocal, then a multiply by the numerator 1)."""
+    return is_call(node, aten.mul.Tensor) and any(not isinstance(a, torch.fx.Node) and a == 1 for a in node.args[:2])
+
+
 def starts_norm(node: torch.fx.Node) -> bool:
     """Does `node` feed something that looks like a normalisation (so a mismatch is worth reporting)?"""
     for user in node.users:
-        if is_call(user, prims.convert_element_type.default) and user.args[1] == FLOAT32:
+        if _is_cast(user, FLOAT32):
             return any(starts_norm_op(u) for u in user.users) or starts_norm(user)
         if starts_norm_op(user):
             return True
@@ -239,18 +252,9 @@ def starts_norm_op(node) -> bool:
     ) or (is_call(node, aten.mul.Tensor) and node.args[0] is node.args[1])
 
 
-def match_rms_norm(x: torch.fx.Node) -> RMSNorm:
-    """Match `w * (x.float() * rsqrt(mean(x.float()^2, -1, keepdim) + eps)).to(x.dtype)` starting at x."""
-    in_dtype = val(x).dtype
-    width = static_shape(x)[-1]
-    rank = len(val(x).shape)
-    upcast = x
-    users = list(x.users)
-    if in_dtype != FLOAT32:
-        casts = [u for u in users if is_call(u, prims.convert_element_type.default) and u.args[1] == FLOAT32]
-        if len(users) != 1 or not casts:
-            raise NoMatch("K norm does not upcast its input to float32 first (Hugging Face RMSNorm form)")
-        upcast = casts[0]
+def _match_inverse_rms(upcast: torch.fx.Node, rank: int) -> tuple[torch.fx.Node, Union[float, torch.fx.Node]]:
+    """Match x * rsqrt(mean(x^2, -1) + eps) (or x / sqrt(..), x * (1 / sqrt(..))) on `upcast`; return the
+    normalised node and eps."""
     upcast_users = list(upcast.users)
     if any(is_call(u, aten.var_mean.correction, aten.var.correction, aten.sub.Tensor) for u in upcast_users):
         raise NoMatch("K norm subtracts the mean (LayerNorm), not an RMSNorm")
@@ -275,41 +279,107 @@ def match_rms_norm(x: torch.fx.Node) -> RMSNorm:
     if dims != [rank - 1] or not keepdim:
         raise NoMatch(f"K norm reduces over dims {list(mean.args[1])}, not the last (head) dim alone")
     add_eps = _single_user(mean, "mean(x^2)")
-    if not is_call(add_eps, aten.add.Tensor) or add_eps.args[0] is not mean:
+    if not is_call(add_eps, aten.add.Tensor, aten.add.Scalar) or add_eps.kwargs.get("alpha", 1) != 1:
         raise NoMatch("K norm eps is not added to mean(x^2) inside the rsqrt (eps sits elsewhere)")
-    eps = add_eps.args[1]
+    eps = _other_arg(add_eps, mean)
     if isinstance(eps, torch.fx.Node):
-        if val(eps) is None or val(eps).dim() != 0:
+        if not isinstance(val(eps), torch.Tensor) or val(eps).dim() != 0:
             raise NoMatch("K norm eps is not a scalar")
+    elif isinstance(eps, int) and not isinstance(eps, bool):
+        eps = float(eps)
     elif not isinstance(eps, float):
         raise NoMatch("K norm eps is not a float")
-    rsqrt = _single_user(add_eps, "mean(x^2) + eps")
-    if not is_call(rsqrt, aten.rsqrt.default):
+    root = _single_user(add_eps, "mean(x^2) + eps")
+    if is_call(root, aten.rsqrt.default):
+        inverse = root
+    elif is_call(root, aten.sqrt.default):
+        after = _single_user(root, "sqrt(mean(x^2) + eps)")
+        if is_call(after, aten.div.Tensor) and after.args[0] is upcast and after.args[1] is root:
+            return after, eps  # x / sqrt(...)
+        if not is_call(after, aten.reciprocal.default):
+            raise NoMatch("K norm does not divide x by sqrt(mean(x^2) + eps)")
+        inverse = after
+        while _is_unit_scale(_single_user(inverse, "1 / sqrt(...)")):
+            inverse = _single_user(inverse, "1 / sqrt(...)")
+    else:
         raise NoMatch("K norm applies something other than rsqrt to mean(x^2) + eps (eps sits elsewhere)")
-    scaled = _single_user(rsqrt, "rsqrt")
-    if not is_call(scaled, aten.mul.Tensor) or {id(a) for a in scaled.args[:2]} != {id(upcast), id(rsqrt)}:
+    scaled = _single_user(inverse, "rsqrt")
+    if not is_call(scaled, aten.mul.Tensor) or {id(a) for a in scaled.args[:2]} != {id(upcast), id(inverse)}:
         raise NoMatch("K norm does not multiply x by rsqrt(mean(x^2) + eps)")
-    normed = scaled
-    if upcast is not x:
-        cast_back = _single_user(scaled, "x * rsqrt(...)")
-        if not is_call(cast_back, prims.convert_element_type.default) or cast_back.args[1] != in_dtype:
-            raise NoMatch("K norm applies its weight in float32 before casting back (expected the cast first)")
-        normed = cast_back
-    weighted = _single_user(normed, "normalised K")
-    if not is_call(weighted, aten.mul.Tensor):
-        raise NoMatch("K norm has no elementwise weight after normalising")
-    weight = _other_arg(weighted, normed)
-    if is_call(weight, aten.add.Tensor) or (
-        is_call(weight, prims.convert_element_type.default) and is_call(weight.args[0], aten.add.Tensor)
+    return scaled, eps
+
+
+def _norm_weight_parameter(weight: torch.fx.Node) -> tuple[torch.fx.Node, float]:
+    """The parameter behind a norm's weight operand and its offset: w, w.float(), (1 + w.float()), views."""
+    offset = 0.0
+    node = weight
+    while True:
+        if _is_cast(node):
+            node = node.args[0]
+        elif is_call(node, aten.add.Tensor, aten.add.Scalar) and node.kwargs.get("alpha", 1) == 1:
+            scalars = [a for a in node.args[:2] if isinstance(a, (int, float)) and not isinstance(a, bool)]
+            tensors = [a for a in node.args[:2] if isinstance(a, torch.fx.Node)]
+            if len(scalars) != 1 or len(tensors) != 1 or offset:
+                raise NoMatch("K norm weight is computed in the graph, not a parameter")
+            offset, node = float(scalars[0]), tensors[0]
+        else:
+            break
+    parameter = base_of(node)
+    if not is_weight_input(parameter) or any(
+        not is_call(n, aten.unsqueeze.default, aten.view.default, aten.reshape.default) for n in _layout_chain(node)
     ):
-        raise NoMatch("K norm scales by (1 + weight) (Gemma form), not supported")
-    weight_shape = static_shape(weight)
-    parameter = base_of(weight)
-    if not is_weight_input(parameter) or any(not is_call(n, aten.unsqueeze.default, aten.view.default, aten.reshape.default) for n in _layout_chain(weight)):
         raise NoMatch("K norm weight is computed in the graph, not a parameter")
-    if val(weighted).dtype != in_dtype:
-        raise NoMatch(f"K norm output is {val(weighted).dtype}, its input {in_dtype}")
-    return RMSNorm(out=weighted, weight=parameter, weight_shape=weight_shape, eps=eps, width=width)
+    return parameter, offset
+
+
+def match_rms_norm(x: torch.fx.Node) -> RMSNorm:
+    """Match a per-head RMSNorm starting at x, in any of its common forms:
+
+    weight * (x.float() * rsqrt(mean(x.float()^2, -1, keepdim) + eps)).to(x.dtype)     Hugging Face
+    ((x.float() * rsqrt(...)) * (offset + weight.float())).to(x.dtype)               SGLang native, Gemma
+    x * rsqrt(...) * weight                                                            no upcast / float32
+    with x / sqrt(...) or x * (1 / sqrt(...)) for x * rsqrt(...), eps added either way round.
+    """
+    in_dtype = val(x).dtype
+    width = static_shape(x)[-1]
+    rank = len(val(x).shape)
+    upcast = x
+    if in_dtype != FLOAT32:
+        casts = [u for u in x.users if _is_cast(u, FLOAT32)]
+        if casts:
+            if len(x.users) != 1:
+                raise NoMatch("K norm input has other users besides its float32 upcast")
+            upcast = casts[0]
+    normed, eps = _match_inverse_rms(upcast, rank)
+    after = _single_user(normed, "x * rsqrt(...)")
+    weight_in_float32 = False
+    if upcast is not x and _is_cast(after, in_dtype):  # round first, then the weight (Hugging Face)
+        normed, after = after, _single_user(after, "normalised K")
+        out = after
+    elif upcast is not x:  # the weight in float32, then one rounding (SGLang native, Gemma)
+        weight_in_float32 = True
+        out = _single_user(after, "weighted K") if is_call(after, aten.mul.Tensor) else None
+        if out is None or not _is_cast(out, in_dtype):
+            raise NoMatch("K norm does not cast back to its input dtype after the weight")
+    else:
+        out = after
+    if not is_call(after, aten.mul.Tensor):
+        raise NoMatch("K norm has no elementwise weight after normalising")
+    weight = _other_arg(after, normed)
+    if not isinstance(weight, torch.fx.Node):
+        raise NoMatch("K norm scales by a constant, not a weight")
+    parameter, offset = _norm_weight_parameter(weight)
+    if val(out).dtype != in_dtype:
+        raise NoMatch(f"K norm output is {val(out).dtype}, its input {in_dtype}")
+    return RMSNorm(
+        out=out,
+        weight=parameter,
+        weight_shape=static_shape(weight),
+        eps=eps,
+        width=width,
+        weight_offset=offset,
+        weight_in_float32=weight_in_float32,
+    )
 
 
 def _layout_chain(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -318,15 +388,6 @@ def _layout_chain(node: torch.fx.Node) -> list[torch.fx.Node]:
         chain.append(node)
         node = node.args[0]
     return chain
-
-
-@dataclasses.dataclass
-class Rotary:
-    out: torch.fx.Node  # full head-dim output (the cat for partial rotary)
-    cos: torch.fx.Node  # broadcastable to the rotated part: [..., rotary_dim]
-    sin: torch.fx.Node
-    rotary_dim: int
-    interleaved: bool
 
 
 def _slice_args(node) -> tuple:
@@ -339,103 +400,14 @@ def _slice_args(node) -> tuple:
     return dim, start, end, step
 
 
-def _same_value(a, b) -> bool:
-    """a and b are one node, or slices taken the same way of the same value (the graph is not CSE'd:
-    `k[..., :r] * cos + rotate(k[..., :r]) * sin` slices k twice)."""
-    if a is b:
-        return True
-    return (
-        is_call(a, aten.slice.Tensor)
-        and is_call(b, aten.slice.Tensor)
-        and _slice_args(a) == _slice_args(b)
-        and _same_value(a.args[0], b.args[0])
-    )
-
-
 def _last_dim_slice(node, source, rank, width) -> Optional[tuple[int, int, int]]:
     """(start, end, step) when node = source[..., start:end:step], else None (end clamped to width)."""
-    if not is_call(node, aten.slice.Tensor) or not _same_value(node.args[0], source):
+    if not is_call(node, aten.slice.Tensor) or node.args[0] is not source:
         return None
     dim, start, end, step = _slice_args(node)
     if not all(isinstance(v, int) for v in (dim, start, end, step)) or dim % rank != rank - 1:
         return None
     return start, min(end, width), step
-
-
-def _rotated(node: torch.fx.Node, k: torch.fx.Node, rank: int, width: int) -> Optional[bool]:
-    """Is node rotate(k)? Returns interleaved=False for neox rotate_half, True for GPT-J pairs, None if neither."""
-    if is_call(node, aten.cat.default) and len(node.args[0]) == 2 and (node.args[1] if len(node.args) > 1 else 0) % rank == rank - 1:
-        negated, kept = node.args[0]
-        if is_call(negated, aten.neg.default):
-            hi = _last_dim_slice(negated.args[0], k, rank, width)
-            lo = _last_dim_slice(kept, k, rank, width)
-            if hi == (width // 2, width, 1) and lo == (0, width // 2, 1) and width % 2 == 0:
-                return False
-    if is_call(node, aten.view.default, aten.reshape.default) and static_shape(node) == static_shape(k):
-        stacked = node.args[0]
-        if is_call(stacked, aten.cat.default) and len(stacked.args[0]) == 2:
-            first, second = stacked.args[0]
-            if is_call(first, aten.unsqueeze.default) and is_call(second, aten.unsqueeze.default):
-                if first.args[1] % (rank + 1) == rank and second.args[1] % (rank + 1) == rank:
-                    negated, kept = first.args[0], second.args[0]
-                    if is_call(negated, aten.neg.default):
-                        odd = _last_dim_slice(negated.args[0], k, rank, width)
-                        even = _last_dim_slice(kept, k, rank, width)
-                        if odd == (1, width, 2) and even == (0, width, 2) and width % 2 == 0:
-                            return True
-    return None
-
-
-def match_rotary(k: torch.fx.Node) -> Rotary:
-    """Match k*cos + rotate(k)*sin over the first rotary_dim dims of k's last dim (rest passed through)."""
-    rank = len(val(k).shape)
-    head_dim = static_shape(k)[-1]
-    rotary = _rotary_on(k, rank)
-    if rotary is not None:
-        return rotary
-    for rotated_part in k.users:
-        bounds = _last_dim_slice(rotated_part, k, rank, head_dim)
-        if not bounds or bounds[0] != 0 or bounds[2] != 1 or bounds[1] >= head_dim:
-            continue
-        rotary = _rotary_on(rotated_part, rank)
-        if rotary is None:
-            continue
-        passed = [u for u in k.users if _last_dim_slice(u, k, rank, head_dim) == (bounds[1], head_dim, 1)]
-        if not passed:
-            raise NoMatch("partial rotary without the pass-through part of the head")
-        cat = _single_user(rotary.out, "rotary output")
-        if not (
-            is_call(cat, aten.cat.default)
-            and list(cat.args[0]) == [rotary.out, passed[0]]
-            and (cat.args[1] if len(cat.args) > 1 else 0) % rank == rank - 1
-        ):
-            raise NoMatch("partial rotary output is not cat([rotated, passed], -1)")
-        return dataclasses.replace(rotary, out=cat)
-    raise NoMatch("no rotary embedding (k*cos + rotate_half(k)*sin) on K")
-
-
-def _rotary_on(rotated_part: torch.fx.Node, rank: int) -> Optional[Rotary]:
-    """rotated_part*cos + rotate(rotated_part)*sin, rotating all of rotated_part's last dim, or None."""
-    rotary_dim = static_shape(rotated_part)[-1]
-    for cos_mul in rotated_part.users:
-        if not is_call(cos_mul, aten.mul.Tensor) or rotated_part not in cos_mul.args[:2]:
-            continue
-        cos = _other_arg(cos_mul, rotated_part)
-        if not isinstance(cos, torch.fx.Node) or len(cos_mul.users) != 1:
-            continue
-        add = next(iter(cos_mul.users))
-        if not is_call(add, aten.add.Tensor) or len(add.args) != 2 or add.kwargs.get("alpha", 1) != 1:
-            continue
-        sin_mul = _other_arg(add, cos_mul)
-        if not is_call(sin_mul, aten.mul.Tensor):
-            continue
-        for rot, sin in ((sin_mul.args[0], sin_mul.args[1]), (sin_mul.args[1], sin_mul.args[0])):
-            if not isinstance(rot, torch.fx.Node) or not isinstance(sin, torch.fx.Node):
-                continue
-            interleaved = _rotated(rot, rotated_part, rank, rotary_dim)
-            if interleaved is not None:
-                return Rotary(out=add, cos=cos, sin=sin, rotary_dim=rotary_dim, interleaved=interleaved)
-    return None
 
 
 @dataclasses.dataclass
@@ -523,7 +495,7 @@ class KBranch:
     layout_before_norm: list[torch.fx.Node]
     layout_after_norm: list[torch.fx.Node]
     norm: Optional[RMSNorm]
-    rotary: Rotary
+    rotary: rotary_action.Rotation
     heads: HeadLayout
 
     @property
@@ -552,26 +524,47 @@ def check_norm_weight(norm: RMSNorm, heads: HeadLayout, n_layers: int, rank: int
         raise NoMatch(f"K norm weight has shape {norm.weight_shape}, expected {per_layer} (one weight per head dim)")
 
 
+def _check_norm_input(at_norm: torch.Tensor, layout_at, norm: RMSNorm, n_layers: int, features: int, head_dim: int) -> None:
+    """The norm must see one head's features on its last dim and one [head_dim] weight per layer."""
+    if at_norm.shape[-1] == features and features != head_dim:
+        raise NoMatch(f"RMSNorm over the whole projection ({features} features), not per head ({head_dim})")
+    try:
+        heads = layout_at(at_norm)
+    except NoMatch:
+        if n_layers != 1:
+            raise
+        # tokens and heads merged on one axis (`k.reshape(-1, head_dim)`): per head all the same
+        heads = HeadLayout(features // head_dim, head_dim, head_axis=0, token_axes=[])
+    check_norm_weight(norm, heads, n_layers, at_norm.dim())
+
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def match_k_branch(projection: Projection, source: "BranchSource") -> KBranch:
     """Match source -> layout -> [RMSNorm] -> layout -> rotary. Raises NoMatch with a reason."""
     col_start = source.col_start
     features = static_shape(source.node)[-1]
     layout_before, node = follow_layout(source.node)
     norm = None
-    if starts_norm(node):
-        norm = match_rms_norm(node)
-        layout_after, node = follow_layout(norm.out)
-        rotary = match_rotary(node)
-    else:
-        layout_after = []
-        try:
-            rotary = match_rotary(node)
-        except NoMatch as reason:
-            if any(is_call(u, aten.mul.Tensor, aten.slice.Tensor) for u in node.users):
-                raise
-            raise NotKBranch(str(reason)) from None
-    if val(rotary.out).dtype != val(projection.node).dtype:
-        raise NoMatch(f"K output is {val(rotary.out).dtype}, the projection {val(projection.node).dtype}")
+    try:
+        if starts_norm(node):
+            norm = match_rms_norm(node)
+            layout_after, node = follow_layout(norm.out)
+        else:
+            layout_after = []
+        rotary = rotary_action.match_rotation(node)
+    except rotary_action.NotRotary as reason:
+        if norm is not None or any(is_call(u, aten.mul.Tensor, aten.slice.Tensor) for u in node.users):
+            raise NoMatch(str(reason)) from None
+        raise NotKBranch(str(reason)) from None
+    dtype = val(projection.node).dtype
+    if dtype not in SUPPORTED_DTYPES:
+        raise NoMatch(f"K is {dtype}; the fused op supports float32, bfloat16 and float16")
+    if val(rotary.out).dtype != dtype:
+        raise NoMatch(f"K output is {val(rotary.out).dtype}, the projection {dtype}")
+    if norm is not None and val(norm.weight).dtype != dtype:
+        raise NoMatch(f"K norm weight is {val(norm.weight).dtype}, K is {dtype}")
     rows, row_width = static_shape(projection.node)
     head_dim = static_shape(node)[-1]
 
@@ -583,9 +576,7 @@ def match_k_branch(projection: Projection, source: "BranchSource") -> KBranch:
         index = replay(source.prefix, index)[..., col_start : col_start + features]
         at_norm = replay(layout_before, index)
         if norm is not None:
-            if at_norm.shape[-1] == features and features != head_dim:
-                raise NoMatch(f"RMSNorm over the whole projection ({features} features), not per head ({head_dim})")
-            check_norm_weight(norm, layout_at(at_norm), projection.n_layers, at_norm.dim())
+            _check_norm_input(at_norm, layout_at, norm, projection.n_layers, features, head_dim)
         heads = layout_at(replay(layout_after, at_norm))
     return KBranch(projection, source, layout_before, layout_after, norm, rotary, heads)
 

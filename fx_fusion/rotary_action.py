@@ -1,0 +1,350 @@
+"""Recognise a rotary embedding by what it computes, not by how it is spelled.
+
+Starting from K (a node laid out [..., head_dim]), the *rotary region* is the set of nodes that depend on
+K through elementwise-linear and layout ops only (mul, add, sub, neg, casts, views, permutes, slices,
+selects, splits, cat, stack, expand). Every other input of the region (cos, sin, a freqs_cis table, a
+cos/sin cache row...) is a *table*. The region is accepted when
+
+1. structurally, every mul multiplies K-dependent values by a table (never K by K, never by a constant),
+   and adds, subs and cats combine only K-dependent values: the output is then exactly a sum of terms
+   +-K[a] * table[b] (or +-K[a] alone), i.e. bilinear in K and the tables; and
+2. evaluated on probe inputs in float64 (casts skipped), its coefficients read off as integers are those
+   of a rotation: out[i] = K[i] * cos[i] + sign(i) * K[partner(i)] * sin[i] for i < rotary_dim, out[i] =
+   K[i] beyond, with neox (rotate-half) or interleaved (GPT-J) partners, one cos and one sin element per
+   output element, shared by every head; and
+3. a final evaluation on random inputs agrees with that formula. Two bilinear forms that agree on random
+   inputs are the same form, so the region computes the fused op's rotation with these tables.
+
+The rotation then needs only where its tables come from: each of cos and sin is one table node whose
+last dim holds the rotary frequencies, at full width (`full`), or at half width repeated over both halves
+(`neox`, vLLM/SGLang's `cos, sin = cache.chunk(2, -1)`) or over pairs (`interleaved`, GPT-J's
+`freqs_cis`). Floating-point results differ from the spelled graph only by rounding: the fused op
+computes in float32 and rounds once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Optional
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from .values import ValueKeys
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+_LAYOUT = {
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.permute.default,
+    aten.transpose.int,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.clone.default,
+    aten.alias.default,
+    aten.expand.default,
+    aten.slice.Tensor,
+    aten.select.int,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.unbind.int,
+    operator.getitem,
+    prims.convert_element_type.default,
+    aten._to_copy.default,
+}
+_JOIN = {aten.cat.default, aten.stack.default}
+_SUM = {aten.add.Tensor, aten.sub.Tensor}
+_REGION_OPS = _LAYOUT | _JOIN | _SUM | {aten.mul.Tensor, aten.neg.default}
+_VIEWS = {aten.view.default, aten._unsafe_view.default}  # evaluated as reshape: probe strides may differ
+_MAX_REGION = 256
+
+
+class NotRotary(Exception):
+    """The nodes after K do not compute a rotary embedding; the message says how."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """cos or sin: `node` laid out like K up to broadcasting, its last dim holding `width` frequencies.
+
+    mode: "full" (width == rotary_dim), "neox" (width == rotary_dim / 2, the same values for both halves),
+    "interleaved" (width == rotary_dim / 2, each value for a pair of elements).
+    """
+
+    node: torch.fx.Node
+    mode: str
+
+    def full_width_columns(self, rotary_dim: int) -> torch.Tensor:
+        d = torch.arange(rotary_dim)
+        return {"full": d, "neox": d % (rotary_dim // 2), "interleaved": d // 2}[self.mode]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rotation:
+    out: torch.fx.Node  # the rotated K, laid out like the K it started from
+    cos: Table
+    sin: Table
+    rotary_dim: int
+    interleaved: bool  # partner of element i: i ^ 1 (GPT-J pairs), else i +- rotary_dim / 2 (neox)
+
+
+def _is_call(node, targets) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def node_val(node: torch.fx.Node):
+    return node.meta.get("val")
+
+
+def _hint(x):
+    if isinstance(x, torch.fx.Node):
+        x = node_val(x)
+    if isinstance(x, torch.SymInt):
+        return x.node.hint if x.node.hint is not None else 8
+    if isinstance(x, (list, tuple)):
+        return type(x)(_hint(e) for e in x)
+    return x
+
+
+def _table_degree(node: torch.fx.Node, inside: dict) -> Optional[int]:
+    """How many table factors each term of `node` carries (0 or 1), or None if the node breaks bilinearity."""
+    target = node.target
+    args = node.args
+    if target is aten.mul.Tensor:
+        k_args = [a for a in args[:2] if a in inside]
+        others = [a for a in args[:2] if a not in inside]
+        if len(k_args) != 1 or len(others) != 1 or not isinstance(others[0], torch.fx.Node):
+            return None  # K * K, or K times a constant
+        if not isinstance(node_val(others[0]), torch.Tensor) or inside[k_args[0]] != 0:
+            return None
+        return 1
+    if target in _SUM:
+        if node.kwargs.get("alpha", 1) != 1 or len(args) != 2 or not all(a in inside for a in args):
+            return None
+        return max(inside[a] for a in args)
+    if target in _JOIN:
+        parts = list(args[0])
+        if not all(p in inside for p in parts):
+            return None
+        return max(inside[p] for p in parts)
+    if args[0] not in inside or any(a in inside for a in args[1:] if isinstance(a, torch.fx.Node)):
+        return None
+    return inside[args[0]]
+
+
+def _region(start: torch.fx.Node) -> dict:
+    """Nodes that depend on `start` only through region ops that keep the value bilinear in K and the
+    tables, in graph order: node -> number of table factors in its terms (0 or 1)."""
+    graph_nodes = list(start.graph.nodes)
+    descendants = {start}
+    for node in graph_nodes[graph_nodes.index(start) + 1 :]:
+        if any(a in descendants for a in node.all_input_nodes):
+            descendants.add(node)
+    inside = {start: 0}
+    for node in graph_nodes[graph_nodes.index(start) + 1 :]:
+        if node not in descendants or not _is_call(node, _REGION_OPS):
+            continue
+        if any(a in descendants and a not in inside for a in node.all_input_nodes):
+            continue  # depends on K through something outside the region (a norm's rsqrt, say)
+        degree = _table_degree(node, inside)
+        if degree is not None:
+            inside[node] = degree
+            if len(inside) >= _MAX_REGION:
+                break
+    return inside
+
+
+def _closed_outputs(start: torch.fx.Node, inside: dict) -> list[torch.fx.Node]:
+    """Region nodes shaped like `start` whose ancestors in the region feed nothing else, last first."""
+    shape = list(_hint(list(node_val(start).shape)))
+    found = []
+    for node in reversed(list(inside)):
+        if node is start or inside[node] != 1 or list(_hint(list(node_val(node).shape))) != shape:
+            continue
+        ancestors, stack = set(), [node]
+        while stack:
+            current = stack.pop()
+            if current in ancestors or current is start:
+                continue
+            ancestors.add(current)
+            stack.extend(a for a in current.all_input_nodes if a in inside)
+        if all(set(a.users) <= ancestors for a in ancestors if a is not node):
+            found.append((node, ancestors))
+    return found
+
+
+class _Probe:
+    """Evaluates a rotary region in float64 for given K and table values (casts are skipped)."""
+
+    def __init__(self, start: torch.fx.Node, nodes: list[torch.fx.Node], inside: dict):
+        self.start, self.nodes = start, nodes
+        same_value = ValueKeys()
+        self.tables: list[torch.fx.Node] = []  # one representative per distinct table value
+        self.table_of: dict = {}
+        keys: dict = {}
+        for node in nodes:
+            for arg in node.all_input_nodes:
+                if arg in inside or arg in self.table_of:
+                    continue
+                key = same_value(arg)
+                if key not in keys:
+                    keys[key] = len(self.tables)
+                    self.tables.append(arg)
+                self.table_of[arg] = keys[key]
+        self.shape = list(_hint(list(node_val(start).shape)))
+        self.table_shapes = [list(_hint(list(node_val(t).shape))) for t in self.tables]
+
+    def run(self, k: torch.Tensor, tables: list[torch.Tensor]) -> torch.Tensor:
+        env = {self.start: k}
+
+        def value(a):
+            if isinstance(a, torch.fx.Node):
+                return env[a] if a in env else tables[self.table_of[a]]
+            if isinstance(a, (list, tuple)):
+                return type(a)(value(e) for e in a)
+            return _hint(a)
+
+        for node in self.nodes:
+            args, kwargs = value(node.args), {k: value(v) for k, v in node.kwargs.items()}
+            if node.target in (prims.convert_element_type.default, aten._to_copy.default):
+                env[node] = args[0]
+            elif node.target in _VIEWS:
+                env[node] = aten.reshape.default(*args, **kwargs)
+            else:
+                env[node] = node.target(*args, **kwargs)
+        return env[self.nodes[-1]]
+
+
+def _partner_pattern(rotary_dim: int, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    d = torch.arange(rotary_dim)
+    if interleaved:
+        return d ^ 1, torch.where(d % 2 == 0, -1.0, 1.0).double()
+    half = rotary_dim // 2
+    return (d + half) % rotary_dim, torch.where(d < half, -1.0, 1.0).double()
+
+
+def _decode_codes(codes: torch.Tensor, bases: list[int], sizes: list[int]) -> tuple[int, torch.Tensor]:
+    """Codes base_j + index + 1 -> (table j, flat indices); all codes must name elements of one table."""
+    if not bool((codes == codes.round()).all()) or not bool((codes >= 1).all()):
+        raise NotRotary("a rotated element is not one table element times K")
+    codes = codes.long() - 1
+    table = int(torch.searchsorted(torch.tensor(bases), codes.min(), right=True)) - 1
+    index = codes - bases[table]
+    if not bool(((index >= 0) & (index < sizes[table])).all()):
+        raise NotRotary("cos (or sin) comes from several tables")
+    return table, index
+
+
+def _table_mode(shape: list[int], k_shape: list[int], index: torch.Tensor, rotary_dim: int) -> Optional[str]:
+    """How the table of `shape` (flat indices `index` [tokens*heads, rotary_dim] read per K element) maps
+    onto K's elements, or None when it is not one value per (token, frequency) broadcast like K."""
+    rank = len(k_shape)
+    if len(shape) > rank:
+        return None
+    padded = [1] * (rank - len(shape)) + shape
+    if any(p not in (1, k) for p, k in zip(padded[:-1], k_shape[:-1])):
+        return None
+    width = padded[-1]
+    flat = torch.arange(max(1, torch.Size(shape).numel())).view(padded)
+    flat = flat.expand(*k_shape[:-1], width).reshape(-1, width)
+    for mode in ("full", "neox", "interleaved"):
+        columns = Table(None, mode).full_width_columns(rotary_dim)
+        if int(columns.max()) < width and width == (rotary_dim if mode == "full" else rotary_dim // 2):
+            if torch.equal(flat[:, columns], index):
+                return mode
+    return None
+
+
+def match_rotation(k: torch.fx.Node) -> Rotation:
+    """Find the rotary embedding applied to `k` ([..., head_dim]); raises NotRotary with the reason."""
+    inside = _region(k)
+    candidates = _closed_outputs(k, inside)
+    if not candidates:
+        raise NotRotary("no rotary embedding (K times cos plus rotated K times sin) on K")
+    reasons = []
+    for out, ancestors in candidates:
+        nodes = [n for n in inside if n in ancestors]
+        try:
+            with unset_fake_temporarily(), torch.no_grad():
+                return _identify(k, out, nodes, inside)
+        except NotRotary as reason:
+            reasons.append(str(reason))
+        except Exception as error:  # an op the probe cannot evaluate: not something we can prove
+            reasons.append(f"could not be evaluated ({type(error).__name__})")
+    raise NotRotary(reasons[0])
+
+
+def _identify(k: torch.fx.Node, out: torch.fx.Node, nodes: list[torch.fx.Node], inside: dict) -> Rotation:
+    probe = _Probe(k, nodes, inside)
+    shape = probe.shape
+    numel, head_dim = torch.Size(shape).numel(), shape[-1]
+    k_codes = torch.arange(1, numel + 1, dtype=torch.float64).view(shape)
+
+    def tables_filled(value: float) -> list[torch.Tensor]:
+        return [torch.full(s, value, dtype=torch.float64) for s in probe.table_shapes]
+
+    passed = probe.run(k_codes, tables_filled(0.0)).reshape(-1, head_dim)
+    flat_k = k_codes.reshape(-1, head_dim)
+    kept = passed == flat_k
+    if not bool((kept | (passed == 0)).all()):
+        raise NotRotary("K is not rotated element by element")
+    rotary_dim = int((~kept[0]).sum())
+    if rotary_dim == 0 or rotary_dim % 2 or not bool((kept == (torch.arange(head_dim) >= rotary_dim)).all()):
+        raise NotRotary("the rotated part of K is not its first rotary_dim dims")
+
+    ones = probe.run(k_codes, tables_filled(1.0)).reshape(-1, head_dim)[:, :rotary_dim]
+    partner_codes = ones - flat_k[:, :rotary_dim]
+    interleaved = None
+    for style in (False, True):
+        partner, sign = _partner_pattern(rotary_dim, style)
+        if torch.equal(partner_codes, sign * flat_k[:, partner]):
+            interleaved = style
+            break
+    if interleaved is None:
+        raise NotRotary("K is not rotated in neox halves or interleaved pairs with cos/sin as K*cos + rotate(K)*sin")
+    partner, sign = _partner_pattern(rotary_dim, interleaved)
+
+    sizes = [max(1, torch.Size(s).numel()) for s in probe.table_shapes]
+    bases = [sum(sizes[:j]) for j in range(len(sizes))]
+    coded = [torch.arange(b + 1, b + n + 1, dtype=torch.float64).view(s) for b, n, s in zip(bases, sizes, probe.table_shapes)]
+    first_of_pair = (partner > torch.arange(rotary_dim))  # the element of each pair with sign -1
+    cos_codes = torch.empty(numel // head_dim, rotary_dim, dtype=torch.float64)
+    sin_codes = torch.empty_like(cos_codes)
+    for selected in (first_of_pair, ~first_of_pair):
+        k_sel = torch.zeros(numel // head_dim, head_dim, dtype=torch.float64)
+        k_sel[:, :rotary_dim][:, selected] = 1.0
+        got = probe.run(k_sel.view(shape), coded).reshape(-1, head_dim)[:, :rotary_dim]
+        cos_codes[:, selected] = got[:, selected]
+        sin_codes[:, ~selected] = got[:, ~selected] * sign[~selected]
+    cos_table, cos_index = _decode_codes(cos_codes, bases, sizes)
+    sin_table, sin_index = _decode_codes(sin_codes, bases, sizes)
+
+    k_random = torch.randn(shape, dtype=torch.float64)
+    tables_random = [torch.randn(s, dtype=torch.float64) for s in probe.table_shapes]
+    got = probe.run(k_random, tables_random).reshape(-1, head_dim)
+    flat = k_random.reshape(-1, head_dim)
+    rot = flat[:, :rotary_dim]
+    expected = torch.cat(
+        [
+            rot * tables_random[cos_table].flatten()[cos_index]
+            + sign * rot[:, partner] * tables_random[sin_table].flatten()[sin_index],
+            flat[:, rotary_dim:],
+        ],
+        dim=-1,
+    )
+    if not torch.allclose(got, expected, rtol=1e-10, atol=1e-12):
+        raise NotRotary("the region is not exactly K*cos + rotate(K)*sin")
+
+    specs = []
+    for table, index in ((cos_table, cos_index), (sin_table, sin_index)):
+        mode = _table_mode(probe.table_shapes[table], shape, index, rotary_dim)
+        if mode is None:
+            raise NotRotary("cos/sin are not one value per token and frequency, shared by every head")
+        specs.append(Table(probe.tables[table], mode))
+    return Rotation(out=out, cos=specs[0], sin=specs[1], rotary_dim=rotary_dim, interleaved=interleaved)
