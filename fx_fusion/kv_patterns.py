@@ -18,6 +18,7 @@ tensor, so any spelling of the reshapes is accepted as long as it means "split t
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Optional, Union
 
 import torch
@@ -121,8 +122,8 @@ def bias_add_of(mm: torch.fx.Node) -> Optional[torch.fx.Node]:
     if not is_call(add, aten.add.Tensor) or add.kwargs.get("alpha", 1) != 1 or len(add.args) != 2:
         return None
     bias = _other_arg(add, mm)
-    if not is_weight_input(bias) or len(val(bias).shape) != 1:
-        return None
+    if not is_weight_input(bias) or static_shape(bias) != static_shape(mm)[-1:]:
+        return None  # a [1] bias broadcasts one value over every column: not a per-column bias
     return add
 
 
@@ -141,6 +142,8 @@ def match_projection(node: torch.fx.Node) -> Projection:
             raise NoMatch("addmm with alpha/beta scaling")
         if not is_weight_input(bias) or len(val(bias).shape) != 1:
             raise NoMatch("projection bias is computed in the graph, not a parameter")
+        if static_shape(bias) != static_shape(node)[-1:]:
+            raise NoMatch(f"projection bias has shape {static_shape(bias)}, not one value per output column")
     else:
         raise NoMatch("not a linear projection")
     biases = [bias] if bias is not None else []
@@ -541,23 +544,39 @@ def _check_norm_input(at_norm: torch.Tensor, layout_at, norm: RMSNorm, n_layers:
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _rotation_after(start: torch.fx.Node, required: bool):
+    """The rotary embedding applied at the end of, or part way along, the layout chain after `start`.
+
+    Returns (layout ops up to the rotation's input, that input, the Rotation). A chain may go on past the
+    rotation's input (`x.reshape(..., -1, 2)` in a pair-wise rotary); the furthest point that is rotated
+    wins. Raises NoMatch, or NotKBranch when nothing looks like K (not `required`, no mul/slice after).
+    """
+    chain, _ = follow_layout(start)
+    points = [start] + chain
+    reasons = []
+    for end in range(len(points), 0, -1):
+        try:
+            return chain[: end - 1], points[end - 1], rotary_action.match_rotation(points[end - 1])
+        except rotary_action.NotRotary as reason:
+            reasons.append(str(reason))
+    looks_rotated = any(is_call(u, aten.mul.Tensor, aten.slice.Tensor) for p in points for u in p.users)
+    if required or looks_rotated:
+        raise NoMatch(reasons[0])
+    raise NotKBranch(reasons[0])
+
+
 def match_k_branch(projection: Projection, source: "BranchSource") -> KBranch:
     """Match source -> layout -> [RMSNorm] -> layout -> rotary. Raises NoMatch with a reason."""
     col_start = source.col_start
     features = static_shape(source.node)[-1]
     layout_before, node = follow_layout(source.node)
     norm = None
-    try:
-        if starts_norm(node):
-            norm = match_rms_norm(node)
-            layout_after, node = follow_layout(norm.out)
-        else:
-            layout_after = []
-        rotary = rotary_action.match_rotation(node)
-    except rotary_action.NotRotary as reason:
-        if norm is not None or any(is_call(u, aten.mul.Tensor, aten.slice.Tensor) for u in node.users):
-            raise NoMatch(str(reason)) from None
-        raise NotKBranch(str(reason)) from None
+    if starts_norm(node):
+        norm = match_rms_norm(node)
+        layout_after, node, rotary = _rotation_after(norm.out, required=True)
+    else:
+        layout_before, node, rotary = _rotation_after(source.node, required=False)
+        layout_after = []
     dtype = val(projection.node).dtype
     if dtype not in SUPPORTED_DTYPES:
         raise NoMatch(f"K is {dtype}; the fused op supports float32, bfloat16 and float16")
@@ -616,15 +635,41 @@ def branch_sources(projection: Projection) -> list[BranchSource]:
     return [BranchSource(sliced, col_start, prefix) for sliced, col_start in slices]
 
 
+def _column_ranges(user: torch.fx.Node, node: torch.fx.Node, rank: int, width: int) -> Optional[list]:
+    """[(piece, start, end)] when `user` cuts `node`'s last dim into contiguous column ranges: a slice
+    (`qkv[..., q:]`), or the pieces of a split (`qkv.split([q, kv, kv], -1)`, `kv.chunk(2, -1)`)."""
+    bounds = _last_dim_slice(user, node, rank, width)
+    if bounds is not None:
+        return [(user, bounds[0], bounds[1])] if bounds[2] == 1 else None
+    if not is_call(user, aten.split.Tensor, aten.split_with_sizes.default) or user.args[0] is not node:
+        return None
+    dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
+    if not isinstance(dim, int) or dim % rank != rank - 1:
+        return None
+    sizes = user.args[1]
+    if isinstance(sizes, int):
+        sizes = [sizes] * (-(-width // sizes)) if sizes > 0 else None
+    if not sizes or not all(isinstance(size, int) for size in sizes):
+        return None
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    pieces = []
+    for piece in user.users:
+        if not (piece.target is operator.getitem and isinstance(piece.args[1], int)):
+            return None
+        index = piece.args[1]
+        pieces.append((piece, starts[index], min(starts[index] + sizes[index], width)))
+    return pieces
+
+
 def _column_slices(node: torch.fx.Node, rank: int, width: int, offset: int) -> Optional[list]:
-    """(slice node, first column) for users that split `node`'s last dim into column ranges, recursively
-    (qkv[..., q:][..., :kv]); None unless every user is such a slice."""
+    """(slice node, first column) for users that cut `node`'s last dim into column ranges, recursively
+    (qkv[..., q:][..., :kv]); None unless every user is such a cut."""
     found = []
     for user in node.users:
-        bounds = _last_dim_slice(user, node, rank, width)
-        if bounds is None or bounds[2] != 1:
+        ranges = _column_ranges(user, node, rank, width)
+        if ranges is None:
             return None
-        start, end, _ = bounds
-        inner = _column_slices(user, rank, end - start, offset + start) if user.users else None
-        found += inner if inner else [(user, offset + start)]
+        for piece, start, end in ranges:
+            inner = _column_slices(piece, rank, end - start, offset + start) if piece.users else None
+            found += inner if inner else [(piece, offset + start)]
     return found
