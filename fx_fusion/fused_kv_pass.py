@@ -49,6 +49,7 @@ from .values import ValueKeys
 
 logger = logging.getLogger("fx_fusion")
 aten = torch.ops.aten
+prims = torch.ops.prims
 
 
 class FusedKVPass(CustomGraphPass):
@@ -339,6 +340,63 @@ def _per_token_rotary_table(
     return node
 
 
+_GATHERS = (aten.index.Tensor, aten.index_select.default, aten.embedding.default)
+_TABLE_VIEWS = (aten.unsqueeze.default, aten.view.default, aten.reshape.default, prims.convert_element_type.default)
+
+
+def _gathered_rows(table: torch.fx.Node) -> Optional[tuple[torch.fx.Node, torch.fx.Node, int, int]]:
+    """(cache, positions, first column, end column) when `table` is a column range of `cache[positions]`
+    (index, index_select or embedding), seen through unsqueezes/views/casts."""
+    node = table
+    while is_call(node, *_TABLE_VIEWS):
+        node = node.args[0]
+    cut = kv_patterns.column_range(node)
+    if cut is None:
+        return None
+    gather, start, end = cut
+    if is_call(gather, aten.index.Tensor) and len(gather.args[1]) == 1 and gather.args[1][0] is not None:
+        cache, positions = gather.args[0], gather.args[1][0]
+    elif is_call(gather, aten.index_select.default) and gather.args[1] == 0:
+        cache, positions = gather.args[0], gather.args[2]
+    elif is_call(gather, aten.embedding.default):
+        cache, positions = gather.args[0], gather.args[1]
+    else:
+        return None
+    if val(cache).dim() != 2 or val(positions).dtype not in (torch.int32, torch.int64):
+        return None
+    return cache, positions, start, end
+
+
+def _cache_and_positions(branch: KBranch) -> Optional[tuple[torch.fx.Node, torch.fx.Node]]:
+    """The cos/sin cache [max_pos, rotary_dim] (cos then sin halves) and the positions of the K rows when
+    cos and sin are the two halves of `cache[positions]`, one position per token in projection-row order;
+    the fused op then reads the cache itself instead of per-token tables (SGLang/vLLM's layout)."""
+    rotary = branch.rotary
+    half, mode = rotary.rotary_dim // 2, ("interleaved" if rotary.interleaved else "neox")
+    found = [_gathered_rows(t.node) for t in (rotary.cos, rotary.sin)]
+    if None in found or rotary.cos.mode != mode or rotary.sin.mode != mode:
+        return None
+    (cache, positions, cos_start, cos_end), (cache_s, positions_s, sin_start, sin_end) = found
+    if (cache, positions) != (cache_s, positions_s) or (cos_start, cos_end, sin_start, sin_end) != (0, half, half, 2 * half):
+        return None
+    if kv_patterns.static_shape(cache)[-1] != rotary.rotary_dim:
+        return None
+    # rows in token order: the table's non-unit leading dims are K's token dims, in order, and the positions'
+    k_shape = kv_patterns.static_shape(rotary.out)
+    table_shape = kv_patterns.static_shape(rotary.cos.node)
+    table_shape = [1] * (len(k_shape) - len(table_shape)) + table_shape
+    token_axes = branch.heads.token_axes
+    if token_axes != sorted(token_axes) or [a for a, n in enumerate(table_shape[:-1]) if n != 1] != [
+        a for a in token_axes if k_shape[a] != 1
+    ]:
+        return None
+    if any(table_shape[a] != k_shape[a] for a in token_axes):
+        return None
+    if [n for n in kv_patterns.static_shape(positions) if n != 1] != [k_shape[a] for a in token_axes if k_shape[a] != 1]:
+        return None
+    return cache, positions
+
+
 def _insertion_point(graph: torch.fx.Graph, inputs: list[torch.fx.Node]) -> torch.fx.Node:
     position = {node: i for i, node in enumerate(graph.nodes)}
     return max(inputs, key=lambda n: position[n])
@@ -391,15 +449,17 @@ def _rewrite_group(graph, fake_mode, branches: list[KBranch], extra: list[Projec
     x2d = min((p.x2d for p in projections), key=lambda n: list(graph.nodes).index(n))
     norm_weights = [b.norm.weight for b in branches] if first.norm else []
     eps_nodes = [b.norm.eps for b in branches for _ in range(b.n_layers) if first.norm and isinstance(b.norm.eps, torch.fx.Node)]
-    cos_table, sin_table = first.rotary.cos.node, first.rotary.sin.node
+    cache_positions = _cache_and_positions(first)
+    cos_table, sin_table = cache_positions or (first.rotary.cos.node, first.rotary.sin.node)
     inputs = [x2d, cos_table, sin_table, *norm_weights, *eps_nodes]
     inputs += [w for p in projections for w in p.weights + p.biases]
     replaced = {p.node for p in projections} | {b.output for b in branches}
     if _depends_on([x2d, cos_table, sin_table, *eps_nodes], replaced):
         raise NoMatch("the group's inputs depend on its own outputs")
     hidden = kv_patterns.base_of(x2d)
-    cos_sizes = _rotary_table_sizes(cos_table, first, hidden)
-    sin_sizes = _rotary_table_sizes(sin_table, first, hidden)
+    if cache_positions is None:
+        cos_sizes = _rotary_table_sizes(cos_table, first, hidden)
+        sin_sizes = _rotary_table_sizes(sin_table, first, hidden)
     before = _region_text(graph, projections, branches)
 
     builder = _GraphBuilder(graph, fake_mode)
@@ -421,8 +481,13 @@ def _rewrite_group(graph, fake_mode, branches: list[KBranch], extra: list[Projec
                         eps_tensor = builder.call(torch.ops.prims.device_put.default, eps_tensor, device)
                 else:
                     eps_value = first.norm.eps
-            cos = _per_token_rotary_table(builder, first.rotary.cos, first, hidden, cos_sizes)
-            sin = _per_token_rotary_table(builder, first.rotary.sin, first, hidden, sin_sizes)
+            if cache_positions is not None:  # the op gathers cos/sin rows itself
+                cos, sin = cache_positions[0], None
+                positions = builder.call(aten.reshape.default, cache_positions[1], [-1])
+            else:
+                cos = _per_token_rotary_table(builder, first.rotary.cos, first, hidden, cos_sizes)
+                sin = _per_token_rotary_table(builder, first.rotary.sin, first, hidden, sin_sizes)
+                positions = None
             k_all = builder.call(
                 torch.ops.fx_fusion.materialize_k.default,
                 k_proj,
@@ -431,7 +496,7 @@ def _rewrite_group(graph, fake_mode, branches: list[KBranch], extra: list[Projec
                 eps_value,
                 cos,
                 sin,
-                None,
+                positions,
                 first.heads.num_heads,
                 first.heads.head_dim,
                 first.rotary.rotary_dim,
@@ -474,6 +539,7 @@ def _rewrite_group(graph, fake_mode, branches: list[KBranch], extra: list[Projec
         bias=bool(first.projection.biases),
         v_as_view=len(projections) - len({b.projection.node for b in branches}),
         rotary_matmuls_as_mul=len(angles),
+        rotary_tables="cos/sin cache + positions" if cache_positions is not None else "per-token cos/sin",
         layers=[node_location(b.projection.node) for b in branches],
     )
 

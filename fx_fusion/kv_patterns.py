@@ -661,6 +661,21 @@ def _column_ranges(user: torch.fx.Node, node: torch.fx.Node, rank: int, width: i
     return pieces
 
 
+def column_range(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int, int]]:
+    """(tensor, start, end) when `node` is the columns [start, end) of the last dim of `tensor`."""
+    if is_call(node, aten.slice.Tensor):
+        source = node.args[0]
+    elif node.target is operator.getitem and is_call(node.args[0], aten.split.Tensor, aten.split_with_sizes.default):
+        source = node.args[0].args[0]
+    else:
+        return None
+    rank, width = len(val(source).shape), static_shape(source)[-1]
+    for piece, start, end in _column_ranges(node if node.target is not operator.getitem else node.args[0], source, rank, width) or []:
+        if piece is node:
+            return source, start, end
+    return None
+
+
 def _column_slices(node: torch.fx.Node, rank: int, width: int, offset: int) -> Optional[list]:
     """(slice node, first column) for users that cut `node`'s last dim into column ranges, recursively
     (qkv[..., q:][..., :kv]); None unless every user is such a cut."""
