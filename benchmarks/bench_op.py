@@ -147,7 +147,8 @@ def direct_launch(block_rows: int, num_warps: int):
         v_out = torch.empty_like(k_out)
         launch_fused_kv_materialize(
             kv[..., :kv_size], kv[..., kv_size:], k_norm_weight, eps, 0.0, cos_sin_cache, None, positions,
-            k_out, v_out, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM, False, block_rows=block_rows, num_warps=num_warps,
+            k_out, v_out, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM, False, 0.0, False, block_rows=block_rows,
+            num_warps=num_warps,
         )
         return k_out, v_out
 
@@ -163,7 +164,8 @@ def op_call(kv, k_norm_weight, eps, cos_sin_cache, positions):
 def k_only_call(kv, k_norm_weight, eps, cos_sin_cache, positions):
     k_proj = kv[..., : NUM_KV_HEADS * HEAD_DIM]
     return torch.ops.fx_fusion.materialize_k(
-        k_proj, [k_norm_weight], eps, 0.0, cos_sin_cache, None, positions, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM, False
+        k_proj, [k_norm_weight], eps, 0.0, cos_sin_cache, None, positions, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM, False,
+        0.0, False,
     )
 
 

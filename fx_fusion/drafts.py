@@ -406,7 +406,9 @@ class HandFusedContextKV(nn.Module):
             H,
             D,
             D,
-            False,
+            False,  # neox rotary
+            0.0,  # norm weight offset
+            False,  # Hugging Face rounding: normalise, round, then the weight
             kv[..., kv_size:],  # V part
         )  # k, v: [L, B*T, H, D]
         outputs = []

@@ -181,7 +181,7 @@ def _find_candidates(graph: torch.fx.Graph, record: PassRecord, same_value: Valu
             elif not is_call(node, *kv_patterns.PROJECTION_OPS):
                 continue
             try:
-                projection = kv_patterns.match_projection(node)
+                projection = kv_patterns.split_into_layers(kv_patterns.match_projection(node))
             except NoMatch:
                 continue
         entry = by_input[same_value(projection.x2d)]

@@ -312,27 +312,30 @@ def _match_inverse_rms(upcast: torch.fx.Node, rank: int) -> tuple[torch.fx.Node,
     return scaled, eps
 
 
+def _is_whole_slice(node) -> bool:
+    """`t[:]` on some dim: a no-op slice (how `w[None, :, None, :]` reaches the graph)."""
+    if not is_call(node, aten.slice.Tensor):
+        return False
+    dim, start, end, step = _slice_args(node)
+    return start == 0 and step == 1 and isinstance(end, int) and end >= static_shape(node.args[0])[dim]
+
+
 def _norm_weight_parameter(weight: torch.fx.Node) -> tuple[torch.fx.Node, float]:
-    """The parameter behind a norm's weight operand and its offset: w, w.float(), (1 + w.float()), views."""
-    offset = 0.0
-    node = weight
-    while True:
-        if _is_cast(node):
+    """The parameter behind a norm's weight operand and its offset: w, w.float(), (1 + w.float()), and
+    their views (unsqueeze, view, whole slices) in any order."""
+    offset, node = 0.0, weight
+    while not is_weight_input(node):
+        if _is_cast(node) or _is_whole_slice(node) or is_call(node, aten.unsqueeze.default, aten.view.default, aten.reshape.default):
             node = node.args[0]
-        elif is_call(node, aten.add.Tensor, aten.add.Scalar) and node.kwargs.get("alpha", 1) == 1:
+            continue
+        if is_call(node, aten.add.Tensor, aten.add.Scalar) and node.kwargs.get("alpha", 1) == 1 and not offset:
             scalars = [a for a in node.args[:2] if isinstance(a, (int, float)) and not isinstance(a, bool)]
             tensors = [a for a in node.args[:2] if isinstance(a, torch.fx.Node)]
-            if len(scalars) != 1 or len(tensors) != 1 or offset:
-                raise NoMatch("K norm weight is computed in the graph, not a parameter")
-            offset, node = float(scalars[0]), tensors[0]
-        else:
-            break
-    parameter = base_of(node)
-    if not is_weight_input(parameter) or any(
-        not is_call(n, aten.unsqueeze.default, aten.view.default, aten.reshape.default) for n in _layout_chain(node)
-    ):
+            if len(scalars) == 1 and len(tensors) == 1:
+                offset, node = float(scalars[0]), tensors[0]
+                continue
         raise NoMatch("K norm weight is computed in the graph, not a parameter")
-    return parameter, offset
+    return node, offset
 
 
 def match_rms_norm(x: torch.fx.Node) -> RMSNorm:
@@ -617,6 +620,21 @@ class BranchSource:
 def whole(projection: Projection) -> BranchSource:
     """The projection's whole output as a branch source."""
     return BranchSource(projection.node, 0, [])
+
+
+def split_into_layers(projection: Projection) -> Projection:
+    """A projection over weights stacked for all layers, `linear(x, W_all).view(T, L, width)` cut into K
+    and V columns (the seed's [total_ctx, n_layers, kv_size*2] layout), counts as L layers."""
+    node = projection.node
+    if projection.n_layers != 1 or len(node.users) != 1:
+        return projection
+    (view,) = node.users
+    shape = static_shape(view) if is_call(view, aten.view.default, aten.reshape.default) else []
+    if len(shape) < 3 or shape[-2] < 2 or shape[-2] * shape[-1] != projection.out_features:
+        return projection
+    if not _column_slices(view, len(shape), shape[-1], 0):
+        return projection  # heads, not layers: the view is not cut into K and V columns
+    return dataclasses.replace(projection, n_layers=shape[-2])
 
 
 def branch_sources(projection: Projection) -> list[BranchSource]:

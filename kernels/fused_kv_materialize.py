@@ -12,13 +12,16 @@ and the attention cache wants, per layer, head-major tensors:
 
 For every layer l, token t and head h, with k = k_proj[t, l, h*D:(h+1)*D] in float32:
 
-    n = round(round(k * rsqrt(mean(k^2) + eps[l])) * weight[l])     (skipped without a K norm)
+    n = round(round(k * rsqrt(mean(k^2) + eps[l])) * w)     (norm_weight_in_float32=False; skipped without a K norm)
+    n = round(k * rsqrt(mean(k^2) + eps[l]) * w)            (norm_weight_in_float32=True)
     k_out[l, t, h, i] = round(n[i] * c[i] + sign(i) * n[partner(i)] * s[i])    for i < rotary_dim
     k_out[l, t, h, i] = n[i]                                                    for i >= rotary_dim
     v_out[l, t, h, :] = v_proj[t, l, h*D:(h+1)*D]
 
-where round() rounds to the output dtype (it reproduces Hugging Face's `weight * hidden.to(input_dtype)`)
-and, with r = rotary_dim,
+where w = weight[l] + norm_weight_offset in float32 and round() rounds to the output dtype. The first form
+reproduces Hugging Face's Llama/Qwen3 RMSNorm, `weight * hidden.to(input_dtype)` (two roundings); the second
+SGLang's native RMSNorm and Gemma's, `(x * rsqrt(...) * w.float()).to(input_dtype)` (one rounding), where Gemma
+uses norm_weight_offset = 1.0 (`1 + weight`). With r = rotary_dim,
 
     neox ("rotate half"):  partner(i) = i + r/2, sign -1 for i < r/2;  partner(i) = i - r/2, sign +1 after
     interleaved (GPT-J):   partner(i) = i ^ 1, sign -1 for even i.
@@ -81,6 +84,7 @@ def _fused_kv_materialize_kernel(
     stride_cos_dim,
     stride_sin_row,
     stride_sin_dim,
+    stride_positions,
     HEAD_DIM: tl.constexpr,
     ROTARY_DIM: tl.constexpr,
     HALF_PAD: tl.constexpr,
@@ -92,6 +96,8 @@ def _fused_kv_materialize_kernel(
     USE_POSITIONS: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     COPY_V: tl.constexpr,
+    NORM_WEIGHT_OFFSET: tl.constexpr,
+    NORM_WEIGHT_IN_FLOAT32: tl.constexpr,
 ):
     """One program: BLOCK_ROWS consecutive (token, head) rows of one layer.
 
@@ -147,21 +153,27 @@ def _fused_kv_materialize_kernel(
             eps = eps_value
         inv_rms = tl.rsqrt(sum_sq / HEAD_DIM + eps)[:, None]
         weight_row = norm_weight_ptr + layer * stride_weight_layer
-        # round(round(x * inv_rms) * w): the two roundings of `weight * hidden.to(input_dtype)`.
+        # round(round(x * inv_rms) * w), the two roundings of `weight * hidden.to(input_dtype)`, or with
+        # NORM_WEIGHT_IN_FLOAT32 round(x * inv_rms * w): x * inv_rms is then "rounded" to float32, a no-op.
+        normed_dtype = tl.float32 if NORM_WEIGHT_IN_FLOAT32 else out_dtype
         if INTERLEAVED:
-            w_r = tl.load(weight_row + rot_dims * stride_weight_dim, mask=rot_dim_mask, other=0.0).to(tl.float32)
-            x_r = ((x_r * inv_rms).to(out_dtype).to(tl.float32) * w_r[None, :]).to(out_dtype).to(tl.float32)
+            w_r = tl.load(weight_row + rot_dims * stride_weight_dim, mask=rot_dim_mask, other=0.0)
+            w_r = w_r.to(tl.float32) + NORM_WEIGHT_OFFSET
+            x_r = ((x_r * inv_rms).to(normed_dtype).to(tl.float32) * w_r[None, :]).to(out_dtype).to(tl.float32)
         else:
-            w_a = tl.load(weight_row + freq * stride_weight_dim, mask=freq < HALF, other=0.0).to(tl.float32)
-            w_b = tl.load(weight_row + (HALF + freq) * stride_weight_dim, mask=freq < HALF, other=0.0).to(tl.float32)
-            x_a = ((x_a * inv_rms).to(out_dtype).to(tl.float32) * w_a[None, :]).to(out_dtype).to(tl.float32)
-            x_b = ((x_b * inv_rms).to(out_dtype).to(tl.float32) * w_b[None, :]).to(out_dtype).to(tl.float32)
+            w_a = tl.load(weight_row + freq * stride_weight_dim, mask=freq < HALF, other=0.0)
+            w_b = tl.load(weight_row + (HALF + freq) * stride_weight_dim, mask=freq < HALF, other=0.0)
+            w_a = w_a.to(tl.float32) + NORM_WEIGHT_OFFSET
+            w_b = w_b.to(tl.float32) + NORM_WEIGHT_OFFSET
+            x_a = ((x_a * inv_rms).to(normed_dtype).to(tl.float32) * w_a[None, :]).to(out_dtype).to(tl.float32)
+            x_b = ((x_b * inv_rms).to(normed_dtype).to(tl.float32) * w_b[None, :]).to(out_dtype).to(tl.float32)
         if PASS_PAD > 0:
-            w_p = tl.load(weight_row + dims_p * stride_weight_dim, mask=pass_dim_mask, other=0.0).to(tl.float32)
-            x_p = ((x_p * inv_rms).to(out_dtype).to(tl.float32) * w_p[None, :]).to(out_dtype).to(tl.float32)
+            w_p = tl.load(weight_row + dims_p * stride_weight_dim, mask=pass_dim_mask, other=0.0)
+            w_p = w_p.to(tl.float32) + NORM_WEIGHT_OFFSET
+            x_p = ((x_p * inv_rms).to(normed_dtype).to(tl.float32) * w_p[None, :]).to(out_dtype).to(tl.float32)
 
     if USE_POSITIONS:  # cache row: [cos_0 .. cos_{r/2-1}, sin_0 .. sin_{r/2-1}]
-        positions = tl.load(positions_ptr + tokens, mask=row_mask, other=0).to(tl.int64)
+        positions = tl.load(positions_ptr + tokens * stride_positions, mask=row_mask, other=0).to(tl.int64)
         positions = tl.minimum(tl.maximum(positions, 0), cache_rows - 1)
         cos_row = cos_ptr + positions[:, None] * stride_cos_row
         sin_row = cos_row + HALF * stride_cos_dim
@@ -264,6 +276,8 @@ def launch_fused_kv_materialize(
     head_dim: int,
     rotary_dim: int,
     interleaved: bool,
+    norm_weight_offset: float,
+    norm_weight_in_float32: bool,
     *,
     interpret: bool = False,
     block_rows: int | None = None,
@@ -273,7 +287,8 @@ def launch_fused_kv_materialize(
 
     norm_weight: [n_layers, head_dim] or None (no K norm). eps: [n_layers] or None (use eps_value).
     positions None: `cos`, `sin` are per-token [total_ctx, rotary_dim]; else `cos` is the cos/sin cache
-    [max_pos, rotary_dim] and `sin` is ignored. `interpret` runs the kernel through Triton's interpreter
+    [max_pos, rotary_dim], `positions` [total_ctx] (any stride) and `sin` is ignored. The norm multiplies by
+    norm_weight + norm_weight_offset, rounding once (norm_weight_in_float32) or twice (module docstring). `interpret` runs the kernel through Triton's interpreter
     (CPU tensors). `block_rows` / `num_warps` override the launch heuristic (tuning only).
     """
     total_ctx, n_layers, _ = k_proj.shape
@@ -316,6 +331,7 @@ def launch_fused_kv_materialize(
         eps.stride(0) if eps is not None else 0,
         *cos.stride(),
         *sin.stride(),
+        positions.stride(0) if use_positions else 0,
     )
     meta = dict(
         HEAD_DIM=head_dim,
@@ -329,6 +345,8 @@ def launch_fused_kv_materialize(
         USE_POSITIONS=use_positions,
         INTERLEAVED=interleaved,
         COPY_V=copy_v,
+        NORM_WEIGHT_OFFSET=float(norm_weight_offset),
+        NORM_WEIGHT_IN_FLOAT32=norm_weight_in_float32,
         num_warps=num_warps or default_warps,
     )
     if interpret:
@@ -382,6 +400,8 @@ def fused_kv_materialize_torch(
     head_dim: int,
     rotary_dim: int,
     interleaved: bool,
+    norm_weight_offset: float,
+    norm_weight_in_float32: bool,
 ) -> None:
     """The kernel's math in PyTorch, same arguments as `launch_fused_kv_materialize` (all layers at once)."""
     total_ctx, n_layers, _ = k_proj.shape
@@ -390,8 +410,11 @@ def fused_kv_materialize_torch(
     if norm_weight is not None:
         eps_per_layer = eps.float().view(1, n_layers, 1, 1) if eps is not None else eps_value
         inv_rms = torch.rsqrt(k.square().mean(dim=-1, keepdim=True) + eps_per_layer)
-        weight = norm_weight.float().view(1, n_layers, 1, head_dim)
-        k = ((k * inv_rms).to(out_dtype).float() * weight).to(out_dtype).float()
+        weight = norm_weight.float().view(1, n_layers, 1, head_dim) + norm_weight_offset
+        normed = k * inv_rms
+        if not norm_weight_in_float32:
+            normed = normed.to(out_dtype).float()
+        k = (normed * weight).to(out_dtype).float()
     cos_t, sin_t = _rope_cos_sin(cos, sin, positions, rotary_dim, interleaved)
     cos_t = cos_t.view(total_ctx, 1, 1, rotary_dim)
     sin_t = sin_t.view(total_ctx, 1, 1, rotary_dim)

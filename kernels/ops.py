@@ -12,6 +12,9 @@ Ops (namespace `fx_fusion`), all backed by one kernel (`fused_kv_materialize.py`
     positions      [total_ctx] int32/int64 rows of cos_sin_cache, or None
     num_kv_heads, head_dim, rotary_dim: int
     interleaved    False: neox "rotate half"; True: GPT-J pairs (2i, 2i+1)
+    norm_weight_offset      float: the K norm multiplies by (norm_weight_offset + weight); Gemma uses 1.0
+    norm_weight_in_float32  bool: False rounds twice, round(round(x * inv_rms) * w) (Hugging Face Llama/Qwen3);
+                            True once, round(x * inv_rms * w) in float32 (SGLang's native RMSNorm, Gemma)
 
     materialize_k(<common>) -> k_out
     materialize_kv(<common>, v_proj) -> (k_out, v_out)          v_proj: like k_proj
@@ -24,12 +27,13 @@ variable TRITON_INTERPRET is "1" at call time.
 
 `fused_norm_rope_stacked` has the signature and semantics of SGLang's stacked fused K/V helper
 (`kv` [total_ctx, n_layers, kv_size*2], cos_sin_cache + positions), raises the same ValueErrors in the same
-order, and adds `interleaved`, `k_norm_weight=None` and `check_positions`.
+order, and adds `interleaved`, `k_norm_weight=None`, `check_positions` and the two K-norm options.
 """
 
 import functools
+import math
 import os
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -92,6 +96,18 @@ def _check_head_layout(num_kv_heads: int, head_dim: int, rotary_dim: int) -> Non
         raise ValueError(
             "Invalid fused KV rotary/head dim pair: "
             f"rotary_dim={rotary_dim}, head_dim={head_dim}."
+        )
+
+
+def _check_scalars(eps_value: float, norm_weight_offset: float) -> None:
+    if not math.isfinite(eps_value) or eps_value < 0:
+        raise ValueError(
+            f"Invalid eps_value for fused KV materialization: got {eps_value}, expected a finite float >= 0."
+        )
+    if not math.isfinite(norm_weight_offset):
+        raise ValueError(
+            f"Invalid norm_weight_offset for fused KV materialization: got {norm_weight_offset}, "
+            "expected a finite float."
         )
 
 
@@ -218,24 +234,61 @@ def _check_rope_tables(
         )
 
 
+def _memory_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """[first byte, last byte + 1) of the memory that `tensor`'s elements lie in."""
+    start = tensor.data_ptr()
+    last_element = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return start, start + (last_element + 1) * tensor.element_size()
+
+
+def _may_share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` share an element: the same first element, or intersecting spans where one of them
+    is dense (fills its span). Interleaved strided views, such as the K and V halves of one buffer, pass."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    (a_start, a_end), (b_start, b_end) = _memory_span(a), _memory_span(b)
+    if a_start == b_start:
+        return True
+    dense = a_end - a_start == a.numel() * a.element_size() or b_end - b_start == b.numel() * b.element_size()
+    return dense and a_start < b_end and b_start < a_end
+
+
+def _check_outputs_do_not_overlap(outputs: dict, inputs: dict) -> None:
+    """Outputs must not share memory with each other or with any input (real tensors only)."""
+    outputs = {name: t for name, t in outputs.items() if t is not None}
+    if any(t.is_meta or torch._subclasses.fake_tensor.is_fake(t) for t in outputs.values()):
+        return  # no memory to share
+    if len(outputs) == 2 and _may_share_memory(*outputs.values()):
+        raise ValueError("Overlapping outputs for fused KV materialization: k_out and v_out share memory.")
+    for out_name, out in outputs.items():
+        for in_name, tensor in inputs.items():
+            if tensor is not None and _may_share_memory(out, tensor):
+                raise ValueError(
+                    f"Overlapping {out_name} for fused KV materialization: it shares memory with the input {in_name}."
+                )
+
+
 def validate_materialize_args(
     k_proj: torch.Tensor,
     k_norm_weight: Sequence[torch.Tensor],
     eps: Optional[torch.Tensor],
+    eps_value: float,
     cos: torch.Tensor,
     sin: Optional[torch.Tensor],
     positions: Optional[torch.Tensor],
     num_kv_heads: int,
     head_dim: int,
     rotary_dim: int,
+    norm_weight_offset: float,
     v_proj: Optional[torch.Tensor] = None,
     k_out: Optional[torch.Tensor] = None,
     v_out: Optional[torch.Tensor] = None,
 ) -> None:
-    """Raise ValueError for any argument the kernel cannot handle; reads shapes, dtypes and devices only.
+    """Raise ValueError for any argument the kernel cannot handle; reads shapes, dtypes, devices and addresses.
 
     Order: head layout / rotary pair, projection shapes, k_norm_weight, eps, k_out, v_out, then dtypes,
-    devices and the cos/sin/positions tables. Works on fake tensors and symbolic shapes.
+    devices, the cos/sin/positions tables, eps_value / norm_weight_offset and, for real outputs, memory
+    overlap (k_out with v_out, then outputs with inputs). Works on fake tensors and symbolic shapes.
     """
     _check_head_layout(num_kv_heads, head_dim, rotary_dim)
     _check_projections(k_proj, v_proj, num_kv_heads * head_dim)
@@ -246,6 +299,10 @@ def validate_materialize_args(
     _check_output("v_out", v_out, expected_out_shape, k_proj)
     _check_dtypes_and_devices(k_proj, v_proj, k_norm_weight, eps, cos, sin, positions)
     _check_rope_tables(cos, sin, positions, total_ctx, rotary_dim)
+    _check_scalars(eps_value, norm_weight_offset)
+    inputs = {"k_proj": k_proj, "v_proj": v_proj, "eps": eps, "cos": cos, "sin": sin, "positions": positions}
+    inputs.update((f"k_norm_weight[{i}]", w) for i, w in enumerate(k_norm_weight))
+    _check_outputs_do_not_overlap({"k_out": k_out, "v_out": v_out}, inputs)
 
 
 def check_positions_in_cache(positions: torch.Tensor, cache_rows: int) -> None:
@@ -261,8 +318,8 @@ def check_positions_in_cache(positions: torch.Tensor, cache_rows: int) -> None:
 
 
 def _host_sync_allowed(tensor: torch.Tensor) -> bool:
-    """False while tracing (torch.compile / export / fake tensors) or capturing a CUDA graph."""
-    if torch.compiler.is_compiling() or torch._subclasses.fake_tensor.is_fake(tensor):
+    """False for meta tensors, while tracing (torch.compile / export / fake tensors) or capturing a CUDA graph."""
+    if tensor.is_meta or torch.compiler.is_compiling() or torch._subclasses.fake_tensor.is_fake(tensor):
         return False
     return not (tensor.is_cuda and torch.cuda.is_current_stream_capturing())
 
@@ -270,22 +327,39 @@ def _host_sync_allowed(tensor: torch.Tensor) -> bool:
 # --------------------------------------------------------------------------------------------------------
 # Ops
 # --------------------------------------------------------------------------------------------------------
-# `common` below is the ops' tuple of leading arguments: (k_proj, k_norm_weight, eps, eps_value, cos, sin,
-# positions, num_kv_heads, head_dim, rotary_dim, interleaved).
+
+
+class CommonArgs(NamedTuple):
+    """The ops' leading arguments, in schema order (module docstring)."""
+
+    k_proj: torch.Tensor
+    k_norm_weight: Sequence[torch.Tensor]
+    eps: Optional[torch.Tensor]
+    eps_value: float
+    cos: torch.Tensor
+    sin: Optional[torch.Tensor]
+    positions: Optional[torch.Tensor]
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    interleaved: bool
+    norm_weight_offset: float
+    norm_weight_in_float32: bool
 
 
 def _validate(common: tuple, v_proj=None, k_out=None, v_out=None) -> None:
-    k_proj, k_norm_weight, eps, _, cos, sin, positions, num_kv_heads, head_dim, rotary_dim, _ = common
+    c = CommonArgs(*common)
     validate_materialize_args(
-        k_proj, k_norm_weight, eps, cos, sin, positions, num_kv_heads, head_dim, rotary_dim, v_proj, k_out, v_out
-    )
+        c.k_proj, c.k_norm_weight, c.eps, c.eps_value, c.cos, c.sin, c.positions, c.num_kv_heads, c.head_dim,
+        c.rotary_dim, c.norm_weight_offset, v_proj, k_out, v_out,
+    )  # fmt: skip
 
 
 def _new_output(common: tuple) -> torch.Tensor:
     """An empty [n_layers, total_ctx, num_kv_heads, head_dim] tensor like k_proj."""
-    k_proj, num_kv_heads, head_dim = common[0], common[7], common[8]
-    total_ctx, n_layers, _ = k_proj.shape
-    return k_proj.new_empty((n_layers, total_ctx, num_kv_heads, head_dim))
+    c = CommonArgs(*common)
+    total_ctx, n_layers, _ = c.k_proj.shape
+    return c.k_proj.new_empty((n_layers, total_ctx, c.num_kv_heads, c.head_dim))
 
 
 def _stacked_norm_weight(
@@ -313,11 +387,11 @@ def _run_cpu(*args) -> None:
 
 def _launch(backend, common: tuple, v_proj, k_out, v_out) -> None:
     """Run `backend` (`_run_triton` or `_run_cpu`) on validated arguments."""
-    k_proj, k_norm_weight, eps, eps_value, cos, sin, positions, num_kv_heads, head_dim, rotary_dim, interleaved = common
-    norm_weight = _stacked_norm_weight(k_norm_weight, k_proj.shape[1], head_dim)
+    c = CommonArgs(*common)
+    norm_weight = _stacked_norm_weight(c.k_norm_weight, c.k_proj.shape[1], c.head_dim)
     backend(
-        k_proj, v_proj, norm_weight, eps, eps_value, cos, sin, positions, k_out, v_out,
-        num_kv_heads, head_dim, rotary_dim, interleaved,
+        c.k_proj, v_proj, norm_weight, c.eps, c.eps_value, c.cos, c.sin, c.positions, k_out, v_out,
+        c.num_kv_heads, c.head_dim, c.rotary_dim, c.interleaved, c.norm_weight_offset, c.norm_weight_in_float32,
     )  # fmt: skip
 
 
@@ -351,7 +425,8 @@ def _materialize_kv_out(backend, *args) -> None:
 # about 15 us per call less than torch.library.custom_op's Python-side wrapper.
 _COMMON_SCHEMA = (
     "Tensor k_proj, Tensor[] k_norm_weight, Tensor? eps, float eps_value, Tensor cos, Tensor? sin, "
-    "Tensor? positions, SymInt num_kv_heads, SymInt head_dim, SymInt rotary_dim, bool interleaved"
+    "Tensor? positions, SymInt num_kv_heads, SymInt head_dim, SymInt rotary_dim, bool interleaved, "
+    "float norm_weight_offset, bool norm_weight_in_float32"
 )
 _library = torch.library.Library("fx_fusion", "FRAGMENT")
 _library.define(f"materialize_k({_COMMON_SCHEMA}) -> Tensor")
@@ -390,6 +465,33 @@ def _materialize_kv_out_fake(*args):
 # --------------------------------------------------------------------------------------------------------
 
 
+def _check_drop_in_types(**arguments) -> None:
+    """TypeError for a drop-in argument of the wrong Python type, naming it."""
+    eps = arguments["eps"]
+    if isinstance(eps, (int, float)):
+        raise TypeError(
+            f"eps must be a [n_layers] tensor or None, got {type(eps).__name__} {eps!r}; "
+            f"pass a scalar eps as eps_value={eps!r}."
+        )
+    tensors = {"kv": False, "k_norm_weight": True, "eps": True, "cos_sin_cache": False, "positions": False}
+    tensors.update(k_out=True, v_out=True)
+    for name, optional in tensors.items():
+        value = arguments[name]
+        if not (isinstance(value, torch.Tensor) or (optional and value is None)):
+            expected = "a torch.Tensor or None" if optional else "a torch.Tensor"
+            raise TypeError(f"{name} must be {expected}, got {type(value).__name__}.")
+    kinds = {
+        "an int": (("num_kv_heads", "head_dim", "rotary_dim"), (int, torch.SymInt)),
+        "a float": (("eps_value", "norm_weight_offset"), (int, float, torch.SymFloat)),
+        "a bool": (("interleaved", "norm_weight_in_float32", "check_positions"), bool),
+    }
+    for expected, (names, types) in kinds.items():
+        for name in names:
+            value = arguments[name]
+            if not isinstance(value, types) or (expected != "a bool" and isinstance(value, bool)):
+                raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}.")
+
+
 def fused_norm_rope_stacked(
     kv: torch.Tensor,
     k_norm_weight: Optional[torch.Tensor],
@@ -405,34 +507,38 @@ def fused_norm_rope_stacked(
     interleaved: bool = False,
     eps_value: float = 1e-6,
     check_positions: bool = True,
+    norm_weight_offset: float = 0.0,
+    norm_weight_in_float32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm + RoPE of K and a copy of V for every layer of a stacked K/V projection.
 
     kv: [total_ctx, n_layers, kv_size*2], per token and layer K then V (kv_size = num_kv_heads*head_dim),
     any strides. k_norm_weight: [n_layers, head_dim], or None for no K norm. eps: [n_layers] (None: use
-    `eps_value`). cos_sin_cache: [max_pos, rotary_dim], cos then sin. positions: [total_ctx] int32/int64.
-    Returns (k_out, v_out), each [n_layers, total_ctx, num_kv_heads, head_dim] in kv's dtype, written into
-    the given k_out / v_out when passed (either may be given alone).
+    `eps_value`). cos_sin_cache: [max_pos, rotary_dim], cos then sin. positions: [total_ctx] int32/int64,
+    any stride. Returns (k_out, v_out), each [n_layers, total_ctx, num_kv_heads, head_dim] in kv's dtype,
+    written into the given k_out / v_out when passed (either may be given alone; they must not share memory
+    with each other or with the inputs).
 
-    `interleaved=True` rotates GPT-J pairs instead of halves. Positions outside the cache raise a
-    ValueError in eager calls (one host sync; `check_positions=False` skips it); inside torch.compile,
-    export or CUDA-graph capture nothing syncs and the kernel clamps positions into the cache.
+    `interleaved=True` rotates GPT-J pairs instead of halves. The norm multiplies by
+    (norm_weight_offset + k_norm_weight), Gemma's `1 + weight` with 1.0, and rounds to kv's dtype twice
+    (Hugging Face Llama/Qwen3) or, with `norm_weight_in_float32=True`, once (SGLang's native RMSNorm, Gemma).
+    Positions outside the cache raise a ValueError in eager calls (one host sync; `check_positions=False`
+    skips it); inside torch.compile, export or CUDA-graph capture, and for meta tensors, nothing syncs and
+    the kernel clamps positions into the cache. Arguments of the wrong Python type raise a TypeError.
     """
+    _check_drop_in_types(**locals())
     check_stacked_kv_rank(kv)
     total_ctx, n_layers, _ = kv.shape
-    if total_ctx == 0:
-        empty_shape = (n_layers, 0, num_kv_heads, head_dim)
-        return (
-            k_out if k_out is not None else kv.new_empty(empty_shape),
-            v_out if v_out is not None else kv.new_empty(empty_shape),
-        )
+    if total_ctx == 0:  # SGLang skips the width check for an empty context; everything else is still checked
+        _check_head_layout(num_kv_heads, head_dim, rotary_dim)
+        kv = kv.new_empty((0, n_layers, 2 * num_kv_heads * head_dim))
     check_stacked_kv_width(kv, num_kv_heads, head_dim)
     kv_size = num_kv_heads * head_dim
     k_proj, v_proj = kv[..., :kv_size], kv[..., kv_size:]
     weights = [] if k_norm_weight is None else [k_norm_weight]
     common = (
         k_proj, weights, eps, eps_value, cos_sin_cache, None, positions, num_kv_heads, head_dim, rotary_dim,
-        interleaved,
+        interleaved, norm_weight_offset, norm_weight_in_float32,
     )  # fmt: skip
     if check_positions and _host_sync_allowed(positions):
         _validate(common, v_proj, k_out, v_out)  # shapes first, then the range check that syncs

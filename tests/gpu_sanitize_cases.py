@@ -30,6 +30,7 @@ CASES = {
     "one-token-one-layer": Case(total_ctx=1, n_layers=1),
     "one-token-one-layer-one-head": Case(total_ctx=1, n_layers=1, num_kv_heads=1, head_dim=128),
     "many-rows-partial-tile": Case(total_ctx=333, num_kv_heads=8, head_dim=128, n_layers=5),
+    "gemma-norm-partial-rotary": Case(head_dim=80, rotary_dim=32, norm_weight_offset=1.0, norm_weight_in_float32=True),
 }
 
 
@@ -47,6 +48,17 @@ def compiled_out_of_range_positions() -> None:
     assert_close_to_reference(k_out, expected, case.dtype)
 
 
+def strided_positions() -> None:
+    """positions = buffer[:, 0] (stride 2): the kernel must follow the stride, not read the decoys."""
+    case = Case(total_ctx=9, max_pos=7)
+    inputs = make_inputs(case, "cuda")
+    strided = torch.stack([inputs.positions, torch.full_like(inputs.positions, 1 << 40)], dim=1)[:, 0]
+    k_out, _ = fused_norm_rope_stacked(
+        inputs.kv, inputs.k_norm_weight[0], inputs.eps, inputs.cos, strided, case.num_kv_heads, case.head_dim, case.rot
+    )
+    assert_close_to_reference(k_out, reference(case, inputs)[0], case.dtype)
+
+
 def check_on_cuda(case: Case) -> None:
     check_all_variants(case, make_inputs(case, "cuda"))
 
@@ -58,6 +70,7 @@ def main() -> int:
     failures = []
     checks = {name: functools.partial(check_on_cuda, case) for name, case in CASES.items()}
     checks["compiled-out-of-range-positions"] = compiled_out_of_range_positions
+    checks["strided-positions"] = strided_positions
     for name, check in checks.items():
         try:
             check()

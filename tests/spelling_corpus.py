@@ -1,0 +1,1174 @@
+"""A spelling corpus: the same context K/V math, spelled the way public codebases spell it.
+
+Every case is a small module holding N_LAYERS = 3 draft layers that all project the SAME hidden states `x`
+and return, for each layer, K after (optional) per-head RMSNorm and RoPE, and V:
+
+    k_l = RoPE(cos, sin)(RMSNorm_l(k_proj_l(x) split into heads))      v_l = v_proj_l(x)
+
+with one cos/sin shared by the layers. Each case cites the repository and file whose spelling it follows
+(looked up in the public sources; the code here is written for this corpus, not copied). The math is the
+same in every `expect == "fuse"` case; only the spelling (ops, layouts, dtype casts, where the weight is
+applied, how heads and rotary halves are cut) differs. `NEGATIVE_CASES` hold a layer whose math truly
+differs: it must not be fused with the others, and the compiled result must still equal eager.
+
+`CASES` is the list the tests iterate; `explain_vllm_model()` is a factory for
+`python -m fx_fusion explain tests/spelling_corpus.py:explain_vllm_model`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Gemma3TextConfig, Qwen3Config
+from transformers.models.gemma3 import modeling_gemma3
+from transformers.models.gemma3n import modeling_gemma3n
+from transformers.models.qwen3 import modeling_qwen3
+
+N_LAYERS = 3
+HIDDEN = 64
+KV_HEADS = 2
+HEAD_DIM = 32
+TOKENS = 6
+BATCH = 2
+MAX_POS = 64
+EPS = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One spelling. build(dtype) -> (module in eval mode with that dtype, example inputs)."""
+
+    name: str
+    source: str  # "owner/repo path/to/file.py (what)" -- where the spelling comes from
+    build: Callable[[torch.dtype], tuple[nn.Module, tuple]]
+    expect: str = "fuse"  # "fuse", or why the math differs (negative cases)
+    offending_layer: Optional[int] = None  # negative cases: the layer that must stay out of any group
+
+    def __repr__(self) -> str:
+        return f"Case({self.name})"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Shared helpers
+
+
+def _finish(module: nn.Module, dtype: torch.dtype, *inputs) -> tuple[nn.Module, tuple]:
+    """Cast the module to `dtype` and floating inputs to `dtype` (integer/complex inputs untouched)."""
+    module = module.to(dtype).eval()
+    cast = tuple(t.to(dtype) if t.is_floating_point() else t for t in inputs)
+    return module, cast
+
+
+def _randomize_norm_weights(module: nn.Module, mean: float = 1.0) -> None:
+    """RMSNorm weights away from their init so that a wrongly shared/omitted weight shows in the output."""
+    for name, param in module.named_parameters():
+        if param.dim() == 1 and "norm" in name and "weight" in name:
+            with torch.no_grad():
+                param.normal_(mean, 0.2)
+
+
+def _hidden(batched: bool = True, tokens: int = TOKENS, batch: int = BATCH) -> torch.Tensor:
+    return torch.randn(batch, tokens, HIDDEN) if batched else torch.randn(tokens, HIDDEN)
+
+
+def _positions(tokens: int = TOKENS, offset: int = 3) -> torch.Tensor:
+    return torch.arange(tokens) + offset
+
+
+def _inv_freq(rotary_dim: int, base: float = 10000.0) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+
+
+def _cos_sin_cache(rotary_dim: int, base: float = 10000.0) -> torch.Tensor:
+    """vLLM/SGLang RotaryEmbedding._compute_cos_sin_cache: [max_pos, rotary_dim] = cat(cos, sin) halves."""
+    freqs = torch.einsum("i,j -> ij", torch.arange(MAX_POS, dtype=torch.float), _inv_freq(rotary_dim, base))
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+def _qwen3_config(**overrides) -> Qwen3Config:
+    config = dict(
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=MAX_POS,
+        rms_norm_eps=EPS,
+    )
+    config.update(overrides)
+    return Qwen3Config(**config)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 1, 14. Hugging Face Qwen3: the real Qwen3Attention modules and modeling_qwen3.apply_rotary_pos_emb
+# huggingface/transformers src/transformers/models/qwen3/modeling_qwen3.py (Qwen3Attention.forward:
+#   hidden_shape = (*input_shape, -1, head_dim); k_norm(k_proj(x).view(hidden_shape)).transpose(1, 2);
+#   rotate_half by x[..., : d // 2] / x[..., d // 2 :] slices)
+
+
+class HFQwen3Context(nn.Module):
+    def __init__(self, attention_bias: bool = False, per_layer_rotary: bool = False):
+        super().__init__()
+        config = _qwen3_config(attention_bias=attention_bias)
+        self.layers = nn.ModuleList(modeling_qwen3.Qwen3Attention(config, i) for i in range(N_LAYERS))
+        self.per_layer_rotary = per_layer_rotary
+        if per_layer_rotary:  # 14: every layer owns its rotary module (same config, same position_ids)
+            self.rotary = nn.ModuleList(modeling_qwen3.Qwen3RotaryEmbedding(config) for _ in range(N_LAYERS))
+        else:
+            self.rotary_emb = modeling_qwen3.Qwen3RotaryEmbedding(config)
+        _randomize_norm_weights(self)
+
+    def forward(self, hidden_states, position_ids):
+        input_shape = hidden_states.shape[:-1]
+        if not self.per_layer_rotary:
+            cos, sin = self.rotary_emb(hidden_states, position_ids)
+        outs = []
+        for i, attn in enumerate(self.layers):
+            if self.per_layer_rotary:
+                cos, sin = self.rotary[i](hidden_states, position_ids)
+            hidden_shape = (*input_shape, -1, attn.head_dim)
+            key_states = attn.k_norm(attn.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+            value_states = attn.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+            _, key_states = modeling_qwen3.apply_rotary_pos_emb(key_states, key_states, cos, sin)
+            outs += [key_states, value_states]
+        return tuple(outs)
+
+
+def build_hf_qwen3(dtype, attention_bias=False, per_layer_rotary=False):
+    torch.manual_seed(0)
+    module = HFQwen3Context(attention_bias, per_layer_rotary)
+    return _finish(module, dtype, _hidden(), _positions()[None].expand(BATCH, -1))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 2a. Megatron-LM: seq-first [S, B, ...], fused per-group qkv cut with torch.split, k_layernorm, and
+# rope_utils._apply_rotary_pos_emb_bshd with `x1, x2 = torch.chunk(x, 2, dim=-1)`; cos/sin computed from
+# the angles INSIDE every layer; partial rotary when the angles are narrower than the head.
+# NVIDIA/Megatron-LM megatron/core/transformer/attention.py (SelfAttention.get_query_key_value_tensors),
+# NVIDIA/Megatron-LM megatron/core/models/common/embeddings/rope_utils.py (_rotate_half,
+# _apply_rotary_pos_emb_bshd), megatron/core/transformer/torch_norm.py (WrappedTorchNorm -> nn.RMSNorm)
+
+
+def _megatron_rotate_half(x, rotary_interleaved):
+    if not rotary_interleaved:
+        x1, x2 = torch.chunk(x, 2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+    x1 = x[:, :, :, ::2]
+    x2 = x[:, :, :, 1::2]
+    x_new = torch.stack((-x2, x1), dim=-1)
+    return x_new.view(x_new.shape[0], x_new.shape[1], x_new.shape[2], -1)
+
+
+def _megatron_apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=False, mscale=1.0):
+    rot_dim = freqs.shape[-1]
+    t, t_pass = t[..., :rot_dim], t[..., rot_dim:]
+    cos_ = (torch.cos(freqs) * mscale).to(t.dtype)
+    sin_ = (torch.sin(freqs) * mscale).to(t.dtype)
+    t = (t * cos_) + (_megatron_rotate_half(t, rotary_interleaved) * sin_)
+    return torch.cat((t, t_pass), dim=-1)
+
+
+class MegatronContext(nn.Module):
+    def __init__(self, rotary_interleaved=False, num_attention_heads=4):
+        super().__init__()
+        self.ng, self.np, self.hn = KV_HEADS, num_attention_heads, HEAD_DIM  # query groups, heads, head dim
+        width = self.ng * (self.np // self.ng + 2) * self.hn
+        self.linear_qkv = nn.ModuleList(nn.Linear(HIDDEN, width, bias=False) for _ in range(N_LAYERS))
+        self.k_layernorm = nn.ModuleList(nn.RMSNorm(self.hn, eps=EPS) for _ in range(N_LAYERS))
+        self.rotary_interleaved = rotary_interleaved
+        _randomize_norm_weights(self)
+
+    def forward(self, hidden_states, rotary_pos_emb):  # [sq, b, h], [sq, 1, 1, rot_dim] angles
+        outs = []
+        for linear_qkv, k_layernorm in zip(self.linear_qkv, self.k_layernorm):
+            mixed_qkv = linear_qkv(hidden_states)
+            new_tensor_shape = mixed_qkv.size()[:-1] + (self.ng, (self.np // self.ng + 2) * self.hn)
+            mixed_qkv = mixed_qkv.view(*new_tensor_shape)
+            split_arg_list = [self.np // self.ng * self.hn, self.hn, self.hn]
+            query, key, value = torch.split(mixed_qkv, split_arg_list, dim=3)
+            key = k_layernorm(key)
+            key = _megatron_apply_rotary_pos_emb_bshd(key, rotary_pos_emb, self.rotary_interleaved)
+            outs += [key, value]
+        return tuple(outs)
+
+
+def build_megatron(dtype, rotary_interleaved=False, rotary_dim=HEAD_DIM // 2):
+    torch.manual_seed(0)
+    module = MegatronContext(rotary_interleaved)
+    freqs = _positions().float()[:, None] * _inv_freq(rotary_dim)[None]  # RotaryEmbedding.forward
+    if not rotary_interleaved:
+        emb = torch.cat((freqs, freqs), dim=-1)
+    else:
+        emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+    emb = emb[:, None, None, :]  # [seq, 1, 1, rot_dim], float32 as Megatron keeps it
+    x = torch.randn(TOKENS, BATCH, HIDDEN)
+    module, (x,) = _finish(module, dtype, x)
+    return module, (x, emb)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 2b. torch.split rotate half, with the angles computed from positions inside apply_rope (float32 math,
+# cast back at the end); Gemma-style: no K norm, [B, L, H, D].
+# huggingface/lerobot lerobot/common/policies/pi0/paligemma_with_expert.py (apply_rope, "copied from the
+# Pi0 jax codebase": `x1, x2 = torch.split(x, x.shape[-1] // 2, dim=-1)`)
+
+
+def _pi0_apply_rope(x, positions, max_wavelength=10_000):
+    freq_exponents = (2.0 / x.shape[-1]) * torch.arange(x.shape[-1] // 2, dtype=torch.float32, device=x.device)
+    timescale = max_wavelength**freq_exponents
+    radians = positions[..., None].float() / timescale[None, None, :].float()
+    radians = radians[..., None, :]
+    sin, cos = torch.sin(radians), torch.cos(radians)
+    x1, x2 = torch.split(x, x.shape[-1] // 2, dim=-1)
+    res = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return res.to(dtype=x.dtype)
+
+
+class Pi0Context(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.k_proj = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False) for _ in range(N_LAYERS))
+        self.v_proj = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False) for _ in range(N_LAYERS))
+
+    def forward(self, hidden_states, position_ids):
+        hidden_shape = (*hidden_states.shape[:-1], -1, HEAD_DIM)
+        outs = []
+        for k_proj, v_proj in zip(self.k_proj, self.v_proj):
+            key_state = k_proj(hidden_states).view(hidden_shape)
+            value_state = v_proj(hidden_states).view(hidden_shape)
+            outs += [_pi0_apply_rope(key_state, position_ids), value_state]
+        return tuple(outs)
+
+
+def build_pi0(dtype):
+    torch.manual_seed(0)
+    return _finish(Pi0Context(), dtype, _hidden(), _positions()[None].expand(BATCH, -1))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 3, 13. vLLM native spelling: flat [num_tokens, H*D]; qkv_proj cut with qkv.split([q, kv, kv]); Qwen3
+# k_norm on k.view(*k.shape[:-1], k.shape[-1] // head_dim, head_dim) and viewed back; RMSNorm.forward_native
+# casts back BEFORE the weight (`x.to(orig_dtype) * self.weight`); RotaryEmbedding.forward_native gathers
+# `cos_sin_cache.index_select(0, positions)`, chunks it, views the key as [num_tokens, -1, head_size],
+# rotates key[..., :rotary_dim] with apply_rotary_emb_torch (neox: torch.chunk; gptj: x[..., ::2],
+# x[..., 1::2] and torch.stack((o1, o2), dim=-1).flatten(-2)) and cats the pass-through back.
+# vllm-project/vllm vllm/model_executor/models/qwen3.py (Qwen3Attention.forward),
+# vllm-project/vllm vllm/model_executor/layers/layernorm.py (RMSNorm.forward_native),
+# vllm-project/vllm vllm/model_executor/layers/rotary_embedding/base.py (RotaryEmbedding.forward_native),
+# vllm-project/vllm vllm/model_executor/layers/rotary_embedding/common.py (apply_rotary_emb_torch)
+
+
+class VllmRMSNorm(nn.Module):
+    def __init__(self, hidden_size, eps=EPS):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        orig_dtype = x.dtype
+        x = x.to(torch.float32)
+        variance = x.pow(2).mean(dim=-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.variance_epsilon)
+        x = x.to(orig_dtype) * self.weight
+        return x
+
+
+def _vllm_apply_rotary_emb_torch(x, cos, sin, is_neox_style):
+    cos = cos.unsqueeze(-2).to(x.dtype)
+    sin = sin.unsqueeze(-2).to(x.dtype)
+    if is_neox_style:
+        x1, x2 = torch.chunk(x, 2, dim=-1)
+    else:
+        x1 = x[..., ::2]
+        x2 = x[..., 1::2]
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    if is_neox_style:
+        return torch.cat((o1, o2), dim=-1)
+    return torch.stack((o1, o2), dim=-1).flatten(-2)
+
+
+class VllmRotaryEmbedding(nn.Module):
+    def __init__(self, head_size, rotary_dim, is_neox_style=True, base=10000.0):
+        super().__init__()
+        self.head_size, self.rotary_dim, self.is_neox_style = head_size, rotary_dim, is_neox_style
+        self.register_buffer("cos_sin_cache", _cos_sin_cache(rotary_dim, base), persistent=False)
+
+    def forward(self, positions, query, key):  # forward_native
+        positions = positions.flatten()
+        num_tokens = positions.shape[0]
+        cos_sin = self.cos_sin_cache.index_select(0, positions)
+        cos, sin = cos_sin.chunk(2, dim=-1)
+
+        query_shape = query.shape
+        query = query.view(num_tokens, -1, self.head_size)
+        query_rot = query[..., : self.rotary_dim]
+        query_pass = query[..., self.rotary_dim :]
+        query_rot = _vllm_apply_rotary_emb_torch(query_rot, cos, sin, self.is_neox_style)
+        query = torch.cat((query_rot, query_pass), dim=-1).reshape(query_shape)
+
+        key_shape = key.shape
+        key = key.view(num_tokens, -1, self.head_size)
+        key_rot = key[..., : self.rotary_dim]
+        key_pass = key[..., self.rotary_dim :]
+        key_rot = _vllm_apply_rotary_emb_torch(key_rot, cos, sin, self.is_neox_style)
+        key = torch.cat((key_rot, key_pass), dim=-1).reshape(key_shape)
+        return query, key
+
+
+class VllmQwen3Attention(nn.Module):
+    def __init__(self, rotary_emb, num_heads=4, qkv_bias=False, qk_norm=True):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, KV_HEADS, HEAD_DIM
+        self.q_size, self.kv_size = num_heads * HEAD_DIM, KV_HEADS * HEAD_DIM
+        self.qkv_proj = nn.Linear(HIDDEN, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = VllmRMSNorm(HEAD_DIM)
+            self.k_norm = VllmRMSNorm(HEAD_DIM)
+        self.rotary_emb = rotary_emb
+
+    def forward(self, positions, hidden_states):  # Qwen3Attention.forward up to self.attn(q, k, v)
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm:  # qwen2 has none
+            q_by_head = q.view(*q.shape[:-1], q.shape[-1] // self.head_dim, self.head_dim)
+            q_by_head = self.q_norm(q_by_head)
+            q = q_by_head.view(q.shape)
+            k_by_head = k.view(*k.shape[:-1], k.shape[-1] // self.head_dim, self.head_dim)
+            k_by_head = self.k_norm(k_by_head)
+            k = k_by_head.view(k.shape)
+        q, k = self.rotary_emb(positions, q, k)
+        return k, v
+
+
+class VllmContext(nn.Module):
+    def __init__(self, rotary_dim=HEAD_DIM, is_neox_style=True, qkv_bias=False, qk_norm=True):
+        super().__init__()
+        rotary_emb = VllmRotaryEmbedding(HEAD_DIM, rotary_dim, is_neox_style)  # get_rope is lru-cached: shared
+        self.layers = nn.ModuleList(
+            VllmQwen3Attention(rotary_emb, qkv_bias=qkv_bias, qk_norm=qk_norm) for _ in range(N_LAYERS)
+        )
+        _randomize_norm_weights(self)
+
+    def forward(self, positions, hidden_states):  # [T], [T, hidden]
+        outs = []
+        for attn in self.layers:
+            outs += list(attn(positions, hidden_states))
+        return tuple(outs)
+
+
+def build_vllm(dtype, **kwargs):
+    torch.manual_seed(0)
+    module, (x,) = _finish(VllmContext(**kwargs), dtype, _hidden(batched=False, tokens=BATCH * TOKENS))
+    return module, (_positions(BATCH * TOKENS), x)
+
+
+def explain_vllm_model():
+    """A 3-layer vLLM-native Qwen3 context K/V for `python -m fx_fusion explain
+    tests/spelling_corpus.py:explain_vllm_model` (a factory returning (module, example_args))."""
+    module, (positions, hidden_states) = build_vllm(torch.float32)
+    return module, (positions, hidden_states)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 3b. nano-vllm: [T, H, D] heads (q.view(-1, num_heads, head_dim)), k_norm on that, cos_sin_cache[positions]
+# with the cache unsqueezed to [max_pos, 1, rotary_dim], rotation in float32 (torch.chunk(x.float(), 2)),
+# and an RMSNorm written with IN-PLACE ops (x.mul_(rsqrt), x.to(orig_dtype).mul_(weight)).
+# GeeeekExplorer/nano-vllm nanovllm/models/qwen3.py (Qwen3Attention.forward),
+# GeeeekExplorer/nano-vllm nanovllm/layers/layernorm.py (RMSNorm.rms_forward),
+# GeeeekExplorer/nano-vllm nanovllm/layers/rotary_embedding.py (apply_rotary_emb, RotaryEmbedding.forward)
+
+
+class NanoVllmRMSNorm(nn.Module):
+    def __init__(self, hidden_size, eps=EPS):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(self, x):
+        orig_dtype = x.dtype
+        x = x.float()
+        var = x.pow(2).mean(dim=-1, keepdim=True)
+        x.mul_(torch.rsqrt(var + self.eps))
+        x = x.to(orig_dtype).mul_(self.weight)
+        return x
+
+
+def _nano_apply_rotary_emb(x, cos, sin):
+    x1, x2 = torch.chunk(x.float(), 2, dim=-1)
+    y1 = x1 * cos - x2 * sin
+    y2 = x2 * cos + x1 * sin
+    return torch.cat((y1, y2), dim=-1).to(x.dtype)
+
+
+class NanoVllmRotaryEmbedding(nn.Module):
+    def __init__(self, rotary_dim):
+        super().__init__()
+        self.register_buffer("cos_sin_cache", _cos_sin_cache(rotary_dim).unsqueeze_(1), persistent=False)
+
+    def forward(self, positions, query, key):
+        cos_sin = self.cos_sin_cache[positions]
+        cos, sin = cos_sin.chunk(2, dim=-1)
+        return _nano_apply_rotary_emb(query, cos, sin), _nano_apply_rotary_emb(key, cos, sin)
+
+
+class NanoVllmContext(nn.Module):
+    def __init__(self, num_heads=4):
+        super().__init__()
+        self.num_heads, self.q_size, self.kv_size = num_heads, num_heads * HEAD_DIM, KV_HEADS * HEAD_DIM
+        self.qkv_proj = nn.ModuleList(
+            nn.Linear(HIDDEN, self.q_size + 2 * self.kv_size, bias=False) for _ in range(N_LAYERS)
+        )
+        self.q_norm = nn.ModuleList(NanoVllmRMSNorm(HEAD_DIM) for _ in range(N_LAYERS))
+        self.k_norm = nn.ModuleList(NanoVllmRMSNorm(HEAD_DIM) for _ in range(N_LAYERS))
+        self.rotary_emb = NanoVllmRotaryEmbedding(HEAD_DIM)
+        _randomize_norm_weights(self)
+
+    def forward(self, positions, hidden_states):
+        outs = []
+        for qkv_proj, q_norm, k_norm in zip(self.qkv_proj, self.q_norm, self.k_norm):
+            qkv = qkv_proj(hidden_states)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(-1, self.num_heads, HEAD_DIM)
+            k = k.view(-1, KV_HEADS, HEAD_DIM)
+            v = v.view(-1, KV_HEADS, HEAD_DIM)
+            q = q_norm(q)
+            k = k_norm(k)
+            q, k = self.rotary_emb(positions, q, k)
+            outs += [k, v]
+        return tuple(outs)
+
+
+def build_nano_vllm(dtype):
+    torch.manual_seed(0)
+    module, (x,) = _finish(NanoVllmContext(), dtype, _hidden(batched=False, tokens=BATCH * TOKENS))
+    return module, (_positions(BATCH * TOKENS), x)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 4, 13. SGLang native spelling: qkv.split; apply_qk_norm's unfused path reshapes to [-1, head_dim]
+# (k.reshape(-1, head_dim) -> k_norm -> view(k.shape)); RMSNorm.forward_native applies the weight IN
+# FLOAT32 and casts after (`(x * self.weight).to(orig_dtype)`); RotaryEmbedding.forward_native as vLLM's.
+# The DFlash path (DFlashAttention.kv_proj_only) slices the fused qkv weight: F.linear(x,
+# qkv_proj.weight[q_size : q_size + 2 * kv_size]), kv.split([kv, kv]), apply_k_norm(reshape(-1, head_dim),
+# view_as), apply_k_rope(positions, k) with a `k.new_empty(k.shape)` dummy query, k.view(-1, H, D).
+# sgl-project/sglang python/sglang/srt/layers/layernorm.py (RMSNorm.forward_native),
+# sgl-project/sglang python/sglang/srt/layers/rotary_embedding.py (RotaryEmbedding.forward_native,
+# _apply_rotary_emb), sgl-project/sglang python/sglang/srt/models/utils.py (apply_qk_norm),
+# sgl-project/sglang python/sglang/srt/models/qwen3.py, sgl-project/sglang python/sglang/srt/models/dflash.py
+# (DFlashAttention.kv_proj_only / apply_k_norm / apply_k_rope), python/sglang/srt/speculative/dflash_worker.py
+
+
+class SglangRMSNorm(VllmRMSNorm):
+    def forward(self, x):
+        orig_dtype = x.dtype
+        x = x.to(torch.float32)
+        variance = x.pow(2).mean(dim=-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.variance_epsilon)
+        x = (x * self.weight).to(orig_dtype)
+        return x
+
+
+class SglangContext(nn.Module):
+    def __init__(self, dflash: bool = False, num_heads=4, qkv_bias=False):
+        super().__init__()
+        self.dflash = dflash
+        self.head_dim, self.num_kv_heads = HEAD_DIM, KV_HEADS
+        self.q_size, self.kv_size = num_heads * HEAD_DIM, KV_HEADS * HEAD_DIM
+        self.qkv_proj = nn.ModuleList(
+            nn.Linear(HIDDEN, self.q_size + 2 * self.kv_size, bias=qkv_bias) for _ in range(N_LAYERS)
+        )
+        self.q_norm = nn.ModuleList(SglangRMSNorm(HEAD_DIM) for _ in range(N_LAYERS))
+        self.k_norm = nn.ModuleList(SglangRMSNorm(HEAD_DIM) for _ in range(N_LAYERS))
+        self.rotary_emb = VllmRotaryEmbedding(HEAD_DIM, HEAD_DIM)  # SGLang's forward_native == vLLM's
+        _randomize_norm_weights(self)
+
+    def _layer(self, i, positions, hidden_states):
+        qkv_proj, q_norm, k_norm = self.qkv_proj[i], self.q_norm[i], self.k_norm[i]
+        if self.dflash:
+            kv_slice = slice(self.q_size, self.q_size + 2 * self.kv_size)
+            weight = qkv_proj.weight[kv_slice]
+            bias = qkv_proj.bias[kv_slice] if qkv_proj.bias is not None else None
+            kv = F.linear(hidden_states, weight, bias)
+            k, v = kv.split([self.kv_size, self.kv_size], dim=-1)
+            k_by_head = k.reshape(-1, self.head_dim)  # apply_k_norm
+            k = k_norm(k_by_head).view_as(k)
+            dummy_q = k.new_empty(k.shape)  # apply_k_rope
+            _, k = self.rotary_emb(positions, dummy_q, k)
+            return k.view(-1, self.num_kv_heads, self.head_dim), v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q_by_head = q.reshape(-1, self.head_dim)  # apply_qk_norm, unfused path
+        q = q_norm(q_by_head).view(q.shape)
+        k_by_head = k.reshape(-1, self.head_dim)
+        k = k_norm(k_by_head).view(k.shape)
+        q, k = self.rotary_emb(positions, q, k)
+        return k, v
+
+    def forward(self, positions, hidden_states):
+        outs = []
+        for i in range(N_LAYERS):
+            outs += list(self._layer(i, positions, hidden_states))
+        return tuple(outs)
+
+
+def build_sglang(dtype, **kwargs):
+    torch.manual_seed(0)
+    module, (x,) = _finish(SglangContext(**kwargs), dtype, _hidden(batched=False, tokens=BATCH * TOKENS))
+    return module, (_positions(BATCH * TOKENS), x)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 5. gpt-fast: fused wqkv cut with .split([dim, kv, kv]), [B, T, H, D], interleaved (GPT-J pair) RoPE from
+# a real-pair freqs_cis buffer gathered by input_pos: xshaped = x.float().reshape(*x.shape[:-1], -1, 2),
+# stack([x0 * c - x1 * s, x1 * c + x0 * s], -1).flatten(3).type_as(x), then transpose(1, 2). No K norm.
+# pytorch-labs/gpt-fast model.py (precompute_freqs_cis, apply_rotary_emb, Attention.forward)
+
+
+def _gpt_fast_apply_rotary_emb(x, freqs_cis):
+    xshaped = x.float().reshape(*x.shape[:-1], -1, 2)
+    freqs_cis = freqs_cis.view(1, xshaped.size(1), 1, xshaped.size(3), 2)
+    x_out2 = torch.stack(
+        [
+            xshaped[..., 0] * freqs_cis[..., 0] - xshaped[..., 1] * freqs_cis[..., 1],
+            xshaped[..., 1] * freqs_cis[..., 0] + xshaped[..., 0] * freqs_cis[..., 1],
+        ],
+        -1,
+    )
+    x_out2 = x_out2.flatten(3)
+    return x_out2.type_as(x)
+
+
+class GptFastContext(nn.Module):
+    def __init__(self, n_head=KV_HEADS):
+        super().__init__()
+        self.n_head, self.n_local_heads, self.head_dim = n_head, KV_HEADS, HEAD_DIM
+        self.dim = n_head * HEAD_DIM
+        kv_size = self.n_local_heads * self.head_dim
+        self.wqkv = nn.ModuleList(nn.Linear(HIDDEN, self.dim + 2 * kv_size, bias=False) for _ in range(N_LAYERS))
+        freqs = torch.outer(torch.arange(MAX_POS), _inv_freq(HEAD_DIM))
+        freqs_cis = torch.polar(torch.ones_like(freqs), freqs)
+        self.register_buffer("freqs_cis", torch.stack([freqs_cis.real, freqs_cis.imag], dim=-1), persistent=False)
+
+    def forward(self, x, input_pos):
+        bsz, seqlen, _ = x.shape
+        freqs_cis = self.freqs_cis[input_pos]  # Transformer.forward
+        kv_size = self.n_local_heads * self.head_dim
+        outs = []
+        for wqkv in self.wqkv:
+            q, k, v = wqkv(x).split([self.dim, kv_size, kv_size], dim=-1)
+            k = k.view(bsz, seqlen, self.n_local_heads, self.head_dim)
+            v = v.view(bsz, seqlen, self.n_local_heads, self.head_dim)
+            k = _gpt_fast_apply_rotary_emb(k, freqs_cis)
+            k, v = map(lambda t: t.transpose(1, 2), (k, v))
+            outs += [k, v]
+        return tuple(outs)
+
+
+def build_gpt_fast(dtype):
+    torch.manual_seed(0)
+    module, (x,) = _finish(GptFastContext(), dtype, _hidden())
+    return module, (x, _positions())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 6. Meta Llama / torchtitan complex freqs_cis: view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2)),
+# reshape_for_broadcast, view_as_real(x_ * freqs_cis).flatten(3).type_as(x). No K norm, [B, T, H, D].
+# meta-llama/llama llama/model.py (apply_rotary_emb, reshape_for_broadcast, Attention.forward),
+# pytorch/torchtitan torchtitan/models/llama3/model/model.py (apply_rotary_emb)
+
+
+def _llama_reshape_for_broadcast(freqs_cis, x):
+    ndim = x.ndim
+    assert freqs_cis.shape == (x.shape[1], x.shape[-1])
+    shape = [d if i == 1 or i == ndim - 1 else 1 for i, d in enumerate(x.shape)]
+    return freqs_cis.view(*shape)
+
+
+def _llama_apply_rotary_emb(xq, xk, freqs_cis):
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    freqs_cis = _llama_reshape_for_broadcast(freqs_cis, xq_)
+    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+class LlamaComplexContext(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.n_local_kv_heads, self.head_dim = KV_HEADS, HEAD_DIM
+        self.wk = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False) for _ in range(N_LAYERS))
+        self.wv = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False) for _ in range(N_LAYERS))
+
+    def forward(self, x, freqs_cis):  # freqs_cis = self.freqs_cis[start_pos : start_pos + seqlen], complex64
+        bsz, seqlen, _ = x.shape
+        outs = []
+        for wk, wv in zip(self.wk, self.wv):
+            xk, xv = wk(x), wv(x)
+            xk = xk.view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
+            xv = xv.view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
+            _, xk = _llama_apply_rotary_emb(xk, xk, freqs_cis=freqs_cis)
+            outs += [xk, xv]
+        return tuple(outs)
+
+
+def build_llama_complex(dtype):
+    torch.manual_seed(0)
+    freqs = torch.outer(torch.arange(MAX_POS, dtype=torch.float32), _inv_freq(HEAD_DIM))
+    freqs_cis = torch.polar(torch.ones_like(freqs), freqs)  # precompute_freqs_cis, complex64
+    start_pos = 3
+    module, (x,) = _finish(LlamaComplexContext(), dtype, _hidden())
+    return module, (x, freqs_cis[start_pos : start_pos + TOKENS])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 7. nn.RMSNorm(head_dim) as q_norm/k_norm (torchtitan's Qwen3), or the same through F.rms_norm (what
+# nn.RMSNorm.forward calls); HF-style rotate_half on [B, T, H, D] with cos/sin [B, T, D] unsqueezed at 2.
+# pytorch/torchtitan torchtitan/models/qwen3/model/model.py (Attention: nn.RMSNorm(head_dim) q/k norms),
+# pytorch/pytorch torch/nn/modules/normalization.py (RMSNorm.forward -> F.rms_norm)
+
+
+class TorchRMSNormContext(nn.Module):
+    def __init__(self, functional: bool = False):
+        super().__init__()
+        self.functional = functional
+        self.wk = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False) for _ in range(N_LAYERS))
+        self.wv = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False) for _ in range(N_LAYERS))
+        self.k_norm = nn.ModuleList(nn.RMSNorm(HEAD_DIM, eps=EPS) for _ in range(N_LAYERS))
+        _randomize_norm_weights(self)
+
+    def forward(self, x, cos, sin):
+        bs, seqlen, _ = x.shape
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        outs = []
+        for wk, wv, k_norm in zip(self.wk, self.wv, self.k_norm):
+            xk = wk(x).view(bs, seqlen, -1, HEAD_DIM)
+            xv = wv(x).view(bs, seqlen, -1, HEAD_DIM)
+            if self.functional:
+                xk = F.rms_norm(xk, (HEAD_DIM,), k_norm.weight, k_norm.eps)
+            else:
+                xk = k_norm(xk)
+            xk = (xk * cos) + (modeling_qwen3.rotate_half(xk) * sin)
+            outs += [xk, xv]
+        return tuple(outs)
+
+
+def _hf_cos_sin(position_ids, rotary_dim=HEAD_DIM, base=10000.0):
+    """HF rotary embedding's output: emb = cat(freqs, freqs); cos/sin [B, T, rotary_dim]."""
+    freqs = position_ids[..., None].float() * _inv_freq(rotary_dim, base)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def build_torch_rmsnorm(dtype, functional=False):
+    torch.manual_seed(0)
+    cos, sin = _hf_cos_sin(_positions()[None].expand(BATCH, -1))
+    return _finish(TorchRMSNormContext(functional), dtype, _hidden(), cos, sin)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 7b, 10. modded-nanogpt: one qkv weight [3, hdim, dim] through F.linear(x, qkv_w.flatten(end_dim=1)),
+# .view(B, T, 3 * H, D).chunk(3, dim=-2); weightless QK norm `F.rms_norm(x, (x.size(-1),))` in the INPUT
+# dtype (no upcast); half-truncated Rotary (angular_freq zero-padded; y1 = x1 * cos + x2 * sin,
+# y2 = x1 * (-sin) + x2 * cos: RoPE with sin negated) computed in float32, type_as(x) after.
+# KellerJordan/modded-nanogpt train_gpt.py (norm, Rotary, CausalSelfAttention.forward)
+
+
+class ModdedNanoGPTRotary(nn.Module):
+    def __init__(self, dim, max_seq_len=MAX_POS):
+        super().__init__()
+        angular_freq = (1 / 1024) ** torch.linspace(0, 1, steps=dim // 4, dtype=torch.float32)
+        angular_freq = torch.cat([angular_freq, angular_freq.new_zeros(dim // 4)])
+        t = torch.arange(max_seq_len, dtype=torch.float32)
+        theta = torch.einsum("i,j -> ij", t, angular_freq)
+        self.register_buffer("cos", theta.cos(), persistent=False)
+        self.register_buffer("sin", theta.sin(), persistent=False)
+
+    def forward(self, x_BTHD):
+        cos, sin = self.cos[None, : x_BTHD.size(-3), None, :], self.sin[None, : x_BTHD.size(-3), None, :]
+        x1, x2 = x_BTHD.to(dtype=torch.float32).chunk(2, dim=-1)
+        y1 = x1 * cos + x2 * sin
+        y2 = x1 * (-sin) + x2 * cos
+        return torch.cat((y1, y2), 3).type_as(x_BTHD)
+
+
+def _modded_norm(x):
+    return F.rms_norm(x, (x.size(-1),))
+
+
+class ModdedNanoGPTContext(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.num_heads, self.head_dim = KV_HEADS, HEAD_DIM
+        hdim = self.num_heads * self.head_dim
+        self.qkv_w = nn.ParameterList(nn.Parameter(torch.randn(3, hdim, HIDDEN) * HIDDEN**-0.5) for _ in range(N_LAYERS))
+        self.rotary = ModdedNanoGPTRotary(HEAD_DIM)
+
+    def forward(self, x):
+        B, T = x.size(0), x.size(1)
+        outs = []
+        for qkv_w in self.qkv_w:
+            q, k, v = F.linear(x, qkv_w.flatten(end_dim=1).type_as(x)).view(B, T, 3 * self.num_heads, self.head_dim).chunk(3, dim=-2)
+            q, k = _modded_norm(q), _modded_norm(k)
+            q, k = self.rotary(q), self.rotary(k)
+            outs += [k, v]
+        return tuple(outs)
+
+
+def build_modded_nanogpt(dtype):
+    torch.manual_seed(0)
+    module = ModdedNanoGPTContext()
+    module, (x,) = _finish(module, dtype, _hidden())
+    module.rotary.float()  # its cos/sin buffers stay float32 (train_gpt.py builds them after .bfloat16())
+    return module, (x,)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 8. Gemma3n's RMSNorm spellings: `x / torch.sqrt(ms + eps)` (transformers 4.53), `x * torch.pow(ms + eps,
+# -0.5)` (current transformers), and `x * (1 / torch.sqrt(ms + eps))` (no public source found: a
+# hand-written variant); all in float32 with the weight applied in float32, then type_as(x). Gemma3n norms
+# K on [B, T, H, D] and applies RoPE there (apply_rotary_pos_emb(k, cos, sin, unsqueeze_dim=2)), THEN
+# transposes. (Gemma3n also RMS-normalises V with a weightless v_norm; left out: V is a plain projection.)
+# huggingface/transformers src/transformers/models/gemma3n/modeling_gemma3n.py (Gemma3nRMSNorm._norm,
+# Gemma3nTextAttention.forward)
+
+
+class Gemma3nSpelledRMSNorm(nn.Module):
+    def __init__(self, dim, spelling, eps=EPS):
+        super().__init__()
+        self.eps, self.spelling = eps, spelling
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def _norm(self, x):
+        if self.spelling == "sqrt":
+            return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.spelling == "reciprocal_sqrt":
+            return x * (1 / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        raise ValueError(self.spelling)
+
+    def forward(self, x):
+        output = self._norm(x.float()) * self.weight.float()
+        return output.type_as(x)
+
+
+class Gemma3nContext(nn.Module):
+    def __init__(self, spelling):
+        super().__init__()
+        self.k_proj = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False) for _ in range(N_LAYERS))
+        self.v_proj = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False) for _ in range(N_LAYERS))
+        if spelling == "pow":
+            norms = [modeling_gemma3n.Gemma3nRMSNorm(HEAD_DIM, eps=EPS) for _ in range(N_LAYERS)]
+        else:
+            norms = [Gemma3nSpelledRMSNorm(HEAD_DIM, spelling) for _ in range(N_LAYERS)]
+        self.k_norm = nn.ModuleList(norms)
+        _randomize_norm_weights(self)
+
+    def forward(self, hidden_states, cos, sin):
+        hidden_shape = (*hidden_states.shape[:-1], -1, HEAD_DIM)
+        outs = []
+        for k_proj, v_proj, k_norm in zip(self.k_proj, self.v_proj, self.k_norm):
+            key_states = k_proj(hidden_states).view(hidden_shape)
+            key_states = k_norm(key_states)
+            key_states = modeling_gemma3n.apply_rotary_pos_emb(key_states, cos, sin, unsqueeze_dim=2)
+            key_states = key_states.transpose(1, 2)
+            value_states = v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+            outs += [key_states, value_states]
+        return tuple(outs)
+
+
+def build_gemma3n(dtype, spelling):
+    torch.manual_seed(0)
+    cos, sin = _hf_cos_sin(_positions()[None].expand(BATCH, -1))
+    return _finish(Gemma3nContext(spelling), dtype, _hidden(), cos, sin)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 9. Gemma3: Gemma3RMSNorm scales by (1 + weight) in float32; q/k norms run AFTER transpose(1, 2), on
+# [B, H, T, D]; the real transformers modules and modeling_gemma3.apply_rotary_pos_emb.
+# huggingface/transformers src/transformers/models/gemma3/modeling_gemma3.py (Gemma3RMSNorm,
+# Gemma3Attention.forward, Gemma3RotaryEmbedding)
+
+
+class Gemma3Context(nn.Module):
+    def __init__(self):
+        super().__init__()
+        config = Gemma3TextConfig(
+            hidden_size=HIDDEN,
+            num_attention_heads=4,
+            num_key_value_heads=KV_HEADS,
+            head_dim=HEAD_DIM,
+            max_position_embeddings=MAX_POS,
+            rms_norm_eps=EPS,
+            num_hidden_layers=N_LAYERS,
+            layer_types=["full_attention"] * N_LAYERS,
+        )
+        self.k_proj = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False) for _ in range(N_LAYERS))
+        self.v_proj = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False) for _ in range(N_LAYERS))
+        self.k_norm = nn.ModuleList(modeling_gemma3.Gemma3RMSNorm(HEAD_DIM, eps=EPS) for _ in range(N_LAYERS))
+        self.rotary_emb = modeling_gemma3.Gemma3RotaryEmbedding(config)
+        _randomize_norm_weights(self, mean=0.0)  # Gemma's weight is an offset from 1
+
+    def forward(self, hidden_states, position_ids):
+        hidden_shape = (*hidden_states.shape[:-1], -1, HEAD_DIM)
+        cos, sin = self.rotary_emb(hidden_states, position_ids, "full_attention")
+        outs = []
+        for k_proj, v_proj, k_norm in zip(self.k_proj, self.v_proj, self.k_norm):
+            key_states = k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+            value_states = v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+            key_states = k_norm(key_states)
+            _, key_states = modeling_gemma3.apply_rotary_pos_emb(key_states, key_states, cos, sin)
+            outs += [key_states, value_states]
+        return tuple(outs)
+
+
+def build_gemma3(dtype):
+    torch.manual_seed(0)
+    return _finish(Gemma3Context(), dtype, _hidden(), _positions()[None].expand(BATCH, -1))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 10. The "no upcast" RMSNorm: everything in the input dtype, weight multiplied last; HF rotate_half.
+# No single canonical source: the form of many minimal Llama ports (e.g. an RMSNorm written as
+# `x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight` without .float()).
+
+
+class NoUpcastContext(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.k_proj = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False) for _ in range(N_LAYERS))
+        self.v_proj = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False) for _ in range(N_LAYERS))
+        self.k_norm_weight = nn.ParameterList(nn.Parameter(torch.ones(HEAD_DIM)) for _ in range(N_LAYERS))
+        for w in self.k_norm_weight:
+            nn.init.normal_(w, 1.0, 0.2)
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        outs = []
+        for k_proj, v_proj, weight in zip(self.k_proj, self.v_proj, self.k_norm_weight):
+            k = k_proj(x).view(B, T, KV_HEADS, HEAD_DIM).transpose(1, 2)
+            k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + EPS) * weight
+            k = (k * cos) + (modeling_qwen3.rotate_half(k) * sin)
+            outs += [k, v_proj(x).view(B, T, KV_HEADS, HEAD_DIM).transpose(1, 2)]
+        return tuple(outs)
+
+
+def build_no_upcast(dtype):
+    torch.manual_seed(0)
+    cos, sin = _hf_cos_sin(_positions()[None].expand(BATCH, -1))
+    return _finish(NoUpcastContext(), dtype, _hidden(), cos, sin)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 11, 12. The stacked layout of SGLang's fused DFlash KV materialization: all layers' K/V weights stacked
+# once ([L * 2 * kv, hidden]), ONE projection -> [T, L * 2 * kv] viewed [T, L, 2 * kv]; K = [..., :kv],
+# V = [..., kv:]; a stacked [L, head_dim] norm weight broadcast over tokens and heads; float32 norm and
+# RoPE from cos_sin_cache gathered by positions (neox halves), cast once at the end; outputs [L, T, H, D].
+# `stack_of_cats` builds the same [T, L, 2 * kv] with torch.stack over layers of
+# torch.cat([k_proj(x), v_proj(x)], -1) (the per-layer-modules way to the same tensor).
+# sgl-project/sglang python/sglang/kernels/ops/speculative/fused_kv_materialize.py
+# (FusedKVMaterializeHelper: torch.stack(kv_weights).reshape(L * 2 * kv, -1); the reference math of
+# _fused_norm_rope_kernel_stacked)
+
+
+class SglangStackedContext(nn.Module):
+    def __init__(self, stack_of_cats: bool = False):
+        super().__init__()
+        self.stack_of_cats = stack_of_cats
+        self.n_layers, self.kv_size = N_LAYERS, KV_HEADS * HEAD_DIM
+        self.k_proj = nn.ModuleList(nn.Linear(HIDDEN, self.kv_size, bias=False) for _ in range(N_LAYERS))
+        self.v_proj = nn.ModuleList(nn.Linear(HIDDEN, self.kv_size, bias=False) for _ in range(N_LAYERS))
+        kv_weights = [torch.cat([k.weight, v.weight]) for k, v in zip(self.k_proj, self.v_proj)]
+        self.flat_kv_weight = nn.Parameter(torch.stack(kv_weights).reshape(N_LAYERS * 2 * self.kv_size, -1).clone())
+        self.k_norm_weights = nn.Parameter(torch.randn(N_LAYERS, HEAD_DIM) * 0.2 + 1.0)
+        self.register_buffer("cos_sin_cache", _cos_sin_cache(HEAD_DIM), persistent=False)
+
+    def forward(self, ctx_hidden, positions):
+        total_ctx = ctx_hidden.shape[0]
+        if self.stack_of_cats:
+            per_layer = [torch.cat([k(ctx_hidden), v(ctx_hidden)], -1) for k, v in zip(self.k_proj, self.v_proj)]
+            kv = torch.stack(per_layer, dim=1)
+        else:
+            kv = F.linear(ctx_hidden, self.flat_kv_weight).view(total_ctx, self.n_layers, 2 * self.kv_size)
+        k = kv[..., : self.kv_size].reshape(total_ctx, self.n_layers, KV_HEADS, HEAD_DIM)
+        v = kv[..., self.kv_size :].reshape(total_ctx, self.n_layers, KV_HEADS, HEAD_DIM)
+        k_raw = k.float()
+        inv_rms = torch.rsqrt(k_raw.pow(2).sum(-1, keepdim=True) / HEAD_DIM + EPS)
+        k_normed = k_raw * inv_rms * self.k_norm_weights.float()[None, :, None, :]
+        cos_sin = self.cos_sin_cache[positions].float()
+        cos_v, sin_v = cos_sin[:, None, None, : HEAD_DIM // 2], cos_sin[:, None, None, HEAD_DIM // 2 :]
+        k_first, k_second = k_normed[..., : HEAD_DIM // 2], k_normed[..., HEAD_DIM // 2 :]
+        k_rot = torch.cat((k_first * cos_v - k_second * sin_v, k_second * cos_v + k_first * sin_v), dim=-1)
+        return k_rot.to(v.dtype).permute(1, 0, 2, 3), v.permute(1, 0, 2, 3)
+
+
+def build_sglang_stacked(dtype, stack_of_cats=False):
+    torch.manual_seed(0)
+    module, (x,) = _finish(SglangStackedContext(stack_of_cats), dtype, _hidden(batched=False, tokens=BATCH * TOKENS))
+    return module, (x, _positions(BATCH * TOKENS))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 13b. litgpt: one qkv linear laid out per query group ([q_per_kv q heads, 1 k head, 1 v head] per group),
+# viewed (B, T, n_query_groups, total_qkv, hs), permuted to (B, groups, total_qkv, T, hs) and split
+# ((q_per_kv, 1, 1), dim=2); norm_k right after the split (norm_qk), K reshaped (B, -1, T, hs); partial RoPE through
+# apply_rope on k[..., :rope_n_elem] (rotate half by slices, `.to(dtype=x.dtype)`), cat with the rest.
+# Lightning-AI/litgpt litgpt/model.py (CausalSelfAttention.forward, apply_rope)
+
+
+def _litgpt_apply_rope(x, cos, sin):
+    head_size = x.size(-1)
+    x1 = x[..., : head_size // 2]
+    x2 = x[..., head_size // 2 :]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    if cos.dim() > 1:
+        cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)
+    roped = (x * cos) + (rotated * sin)
+    return roped.to(dtype=x.dtype)
+
+
+class LitGPTContext(nn.Module):
+    def __init__(self, rope_n_elem=HEAD_DIM // 2, n_head=KV_HEADS, norm_qk=True, bias=True):
+        super().__init__()
+        self.n_head, self.n_query_groups, self.head_size, self.rope_n_elem = n_head, KV_HEADS, HEAD_DIM, rope_n_elem
+        shape = (n_head + 2 * KV_HEADS) * HEAD_DIM
+        self.attn = nn.ModuleList(nn.Linear(HIDDEN, shape, bias=bias) for _ in range(N_LAYERS))
+        self.norm_qk = norm_qk
+        self.norm_k = nn.ModuleList(nn.RMSNorm(HEAD_DIM, eps=EPS) for _ in range(N_LAYERS))  # litgpt RMSNorm-like
+        _randomize_norm_weights(self)
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.size()
+        q_per_kv = self.n_head // self.n_query_groups
+        total_qkv = q_per_kv + 2
+        outs = []
+        for attn, norm_k in zip(self.attn, self.norm_k):
+            qkv = attn(x)
+            qkv = qkv.view(B, T, self.n_query_groups, total_qkv, self.head_size)
+            qkv = qkv.permute(0, 2, 3, 1, 4)  # (B, n_query_groups, total_qkv, T, hs)
+            q, k, v = qkv.split((q_per_kv, 1, 1), dim=2)
+            if self.norm_qk:
+                k = norm_k(k)
+            k = k.reshape(B, -1, T, self.head_size)  # (B, nh_k, T, hs)
+            v = v.reshape(B, -1, T, self.head_size)
+            k_roped = _litgpt_apply_rope(k[..., : self.rope_n_elem], cos, sin)
+            k = torch.cat((k_roped, k[..., self.rope_n_elem :]), dim=-1)
+            outs += [k, v]
+        return tuple(outs)
+
+
+def build_litgpt(dtype):
+    torch.manual_seed(0)
+    freqs = _positions().float()[:, None] * _inv_freq(HEAD_DIM // 2)[None]
+    emb = torch.cat((freqs, freqs), dim=-1)  # litgpt build_rope_cache: [T, rope_n_elem]
+    return _finish(LitGPTContext(), dtype, _hidden(), emb.cos(), emb.sin())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 15. The z-lab DFlash reference draft: context K/V (from target_hidden) and noise-block K/V (from the
+# draft's hidden states) concatenated along tokens BEFORE k_norm and RoPE:
+#   k = torch.cat([k_proj(target_hidden), k_proj(hidden_states)], dim=1).view(bsz, ctx_len + q_len, -1, D)
+#   k = k_norm(k).transpose(1, 2); apply_rotary_pos_emb with cos/sin over all ctx_len + q_len positions.
+# z-lab/dflash dflash/model.py (Qwen3DFlashAttention.forward, apply_rotary_pos_emb)
+
+
+class ZLabDFlashContext(nn.Module):
+    def __init__(self):
+        super().__init__()
+        config = _qwen3_config()
+        self.layers = nn.ModuleList(modeling_qwen3.Qwen3Attention(config, i) for i in range(N_LAYERS))
+        self.rotary_emb = modeling_qwen3.Qwen3RotaryEmbedding(config)
+        _randomize_norm_weights(self)
+
+    def forward(self, hidden_states, target_hidden, position_ids):
+        bsz, q_len = hidden_states.shape[:-1]
+        ctx_len = target_hidden.shape[1]
+        cos, sin = self.rotary_emb(hidden_states, position_ids)
+        outs = []
+        for attn in self.layers:
+            k_ctx = attn.k_proj(target_hidden)
+            k_noise = attn.k_proj(hidden_states)
+            v_ctx = attn.v_proj(target_hidden)
+            v_noise = attn.v_proj(hidden_states)
+            k = torch.cat([k_ctx, k_noise], dim=1).view(bsz, ctx_len + q_len, -1, attn.head_dim)
+            v = torch.cat([v_ctx, v_noise], dim=1).view(bsz, ctx_len + q_len, -1, attn.head_dim)
+            k = attn.k_norm(k).transpose(1, 2)
+            v = v.transpose(1, 2)
+            k = (k * cos.unsqueeze(1)) + (modeling_qwen3.rotate_half(k) * sin.unsqueeze(1))
+            outs += [k, v]
+        return tuple(outs)
+
+
+def build_zlab_dflash(dtype):
+    torch.manual_seed(0)
+    q_len = 4
+    noise, target = _hidden(tokens=q_len), _hidden(tokens=TOKENS)
+    position_ids = _positions(TOKENS + q_len)[None].expand(BATCH, -1)
+    return _finish(ZLabDFlashContext(), dtype, noise, target, position_ids)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# NEGATIVE cases: the HF Qwen3 spelling (case 1) where the LAST layer's math genuinely differs.
+
+
+class DeviatingLastLayer(nn.Module):
+    """HF Qwen3 context K/V; layer N_LAYERS - 1 deviates as `variant` says. B == T so that transposes of
+    [B, T, ...] tensors keep their shape."""
+
+    def __init__(self, variant: str):
+        super().__init__()
+        self.variant = variant
+        config = _qwen3_config()
+        self.layers = nn.ModuleList(modeling_qwen3.Qwen3Attention(config, i) for i in range(N_LAYERS))
+        self.rotary_emb = modeling_qwen3.Qwen3RotaryEmbedding(config)
+        self.other_rotary_emb = modeling_qwen3.Qwen3RotaryEmbedding(_qwen3_config(rope_theta=100.0))
+        self.layer_norm = nn.LayerNorm(HEAD_DIM, eps=EPS)
+        self.register_buffer("channel_perm", torch.randperm(HIDDEN, generator=torch.Generator().manual_seed(1)))
+        _randomize_norm_weights(self)
+
+    def _k_norm(self, attn, k, last):
+        if last and self.variant == "layer_norm":
+            return self.layer_norm(k)
+        if last and self.variant == "eps_outside_rsqrt":
+            x = k.to(torch.float32)
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)) + attn.k_norm.variance_epsilon
+            return attn.k_norm.weight * x.to(k.dtype)
+        return attn.k_norm(k)
+
+    def forward(self, hidden_states, position_ids):
+        input_shape = hidden_states.shape[:-1]
+        cos, sin = self.rotary_emb(hidden_states, position_ids)
+        outs = []
+        for i, attn in enumerate(self.layers):
+            last = i == N_LAYERS - 1
+            x, c, s = hidden_states, cos, sin
+            if last and self.variant == "transposed_x":
+                x = hidden_states.transpose(0, 1)
+            if last and self.variant == "channel_shuffled_x":
+                x = hidden_states[..., self.channel_perm]
+            if last and self.variant == "cos_sin_transposed":
+                c, s = cos.transpose(0, 1), sin.transpose(0, 1)
+            if last and self.variant == "other_rope_theta":
+                c, s = self.other_rotary_emb(hidden_states, position_ids)
+            hidden_shape = (*input_shape, -1, attn.head_dim)
+            key_states = self._k_norm(attn, attn.k_proj(x).view(hidden_shape), last).transpose(1, 2)
+            value_states = attn.v_proj(x).view(hidden_shape).transpose(1, 2)
+            _, key_states = modeling_qwen3.apply_rotary_pos_emb(key_states, key_states, c, s)
+            outs += [key_states, value_states]
+        return tuple(outs)
+
+
+def build_deviating(dtype, variant):
+    torch.manual_seed(0)
+    square = TOKENS  # B == T
+    position_ids = torch.stack([_positions(square, offset=o) for o in range(square)])  # rows differ
+    return _finish(DeviatingLastLayer(variant), dtype, _hidden(tokens=square, batch=square), position_ids)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The corpus
+
+_p = functools.partial
+_HF = "huggingface/transformers src/transformers/models/qwen3/modeling_qwen3.py"
+_VLLM = (
+    "vllm-project/vllm vllm/model_executor/models/qwen3.py, layers/layernorm.py, "
+    "layers/rotary_embedding/base.py, layers/rotary_embedding/common.py"
+)
+_SGL = (
+    "sgl-project/sglang python/sglang/srt/models/qwen3.py, layers/layernorm.py, layers/rotary_embedding.py, "
+    "models/utils.py"
+)
+_SGL_DFLASH = "sgl-project/sglang python/sglang/srt/models/dflash.py (kv_proj_only, apply_k_norm, apply_k_rope)"
+_SGL_STACKED = "sgl-project/sglang python/sglang/kernels/ops/speculative/fused_kv_materialize.py"
+_MEGATRON = (
+    "NVIDIA/Megatron-LM megatron/core/transformer/attention.py, "
+    "megatron/core/models/common/embeddings/rope_utils.py"
+)
+_GEMMA3N = "huggingface/transformers src/transformers/models/gemma3n/modeling_gemma3n.py"
+
+CASES: list[Case] = [
+    Case("hf_qwen3", _HF, _p(build_hf_qwen3)),
+    Case("hf_qwen3_bias", _HF + " (attention_bias=True)", _p(build_hf_qwen3, attention_bias=True)),
+    Case(
+        "hf_qwen3_per_layer_rotary",
+        _HF + " (one Qwen3RotaryEmbedding per layer)",
+        _p(build_hf_qwen3, per_layer_rotary=True),
+    ),
+    Case("megatron_chunk_partial", _MEGATRON, _p(build_megatron)),
+    Case("megatron_interleaved_partial", _MEGATRON + " (rotary_interleaved)", _p(build_megatron, rotary_interleaved=True)),
+    Case("pi0_torch_split", "huggingface/lerobot lerobot/common/policies/pi0/paligemma_with_expert.py", _p(build_pi0)),
+    Case("vllm_qwen3_neox", _VLLM, _p(build_vllm)),
+    Case("vllm_qwen3_gptj", _VLLM + " (is_neox_style=False)", _p(build_vllm, is_neox_style=False)),
+    Case("vllm_qwen3_partial", _VLLM + " (rotary_dim < head_size)", _p(build_vllm, rotary_dim=HEAD_DIM // 2)),
+    Case(
+        "vllm_qwen2_bias_no_norm",
+        "vllm-project/vllm vllm/model_executor/models/qwen2.py (qkv bias, no qk norm)",
+        _p(build_vllm, qkv_bias=True, qk_norm=False),
+    ),
+    Case(
+        "nano_vllm_qwen3",
+        "GeeeekExplorer/nano-vllm nanovllm/models/qwen3.py, layers/layernorm.py, layers/rotary_embedding.py",
+        _p(build_nano_vllm),
+    ),
+    Case("sglang_qwen3", _SGL, _p(build_sglang)),
+    Case("sglang_dflash_kv_proj_only", _SGL_DFLASH, _p(build_sglang, dflash=True)),
+    Case("sglang_dflash_kv_proj_only_bias", _SGL_DFLASH + " (bias)", _p(build_sglang, dflash=True, qkv_bias=True)),
+    Case("gpt_fast_interleaved", "pytorch-labs/gpt-fast model.py", _p(build_gpt_fast)),
+    Case(
+        "llama_complex_freqs_cis",
+        "meta-llama/llama llama/model.py; pytorch/torchtitan torchtitan/models/llama3/model/model.py",
+        _p(build_llama_complex),
+    ),
+    Case("torchtitan_nn_rmsnorm", "pytorch/torchtitan torchtitan/models/qwen3/model/model.py", _p(build_torch_rmsnorm)),
+    Case(
+        "torch_f_rms_norm",
+        "pytorch/pytorch torch/nn/modules/normalization.py (RMSNorm.forward -> F.rms_norm)",
+        _p(build_torch_rmsnorm, functional=True),
+    ),
+    Case("modded_nanogpt", "KellerJordan/modded-nanogpt train_gpt.py", _p(build_modded_nanogpt)),
+    Case("gemma3n_sqrt", _GEMMA3N + " (v4.53: x / torch.sqrt)", _p(build_gemma3n, spelling="sqrt")),
+    Case("gemma3n_pow", _GEMMA3N + " (torch.pow(ms + eps, -0.5))", _p(build_gemma3n, spelling="pow")),
+    Case(
+        "reciprocal_sqrt",
+        "no public source found: x * (1 / torch.sqrt(ms + eps)) in the Gemma3n layout",
+        _p(build_gemma3n, spelling="reciprocal_sqrt"),
+    ),
+    Case(
+        "gemma3_one_plus_weight",
+        "huggingface/transformers src/transformers/models/gemma3/modeling_gemma3.py",
+        _p(build_gemma3),
+    ),
+    Case("no_upcast_rmsnorm", "no canonical source: minimal-Llama RMSNorm without .float()", _p(build_no_upcast)),
+    Case("sglang_stacked_kv", _SGL_STACKED, _p(build_sglang_stacked)),
+    Case("stack_of_cats", _SGL_STACKED + " layout, per-layer torch.cat([k, v]) stacked", _p(build_sglang_stacked, stack_of_cats=True)),
+    Case("litgpt_grouped_qkv_partial", "Lightning-AI/litgpt litgpt/model.py", _p(build_litgpt)),
+    Case("zlab_dflash_ctx_noise_cat", "z-lab/dflash dflash/model.py (Qwen3DFlashAttention.forward)", _p(build_zlab_dflash)),
+]
+
+
+def _negative(name: str, variant: str, what: str, expect: str) -> Case:
+    return Case(
+        name,
+        f"{_HF} (last layer: {what})",
+        _p(build_deviating, variant=variant),
+        expect=expect,
+        offending_layer=N_LAYERS - 1,
+    )
+
+
+NEGATIVE_CASES: list[Case] = [
+    _negative("neg_layer_norm", "layer_norm", "nn.LayerNorm", "LayerNorm subtracts the mean"),
+    _negative("neg_eps_outside_rsqrt", "eps_outside_rsqrt", "x * rsqrt(ms) + eps", "eps outside the rsqrt"),
+    _negative("neg_transposed_x", "transposed_x", "reads x.transpose(0, 1), B == T", "reads a different input"),
+    _negative("neg_channel_shuffled_x", "channel_shuffled_x", "reads x[..., perm]", "reads a different input"),
+    _negative("neg_cos_sin_transposed", "cos_sin_transposed", "cos/sin.transpose(0, 1), B == T", "different cos/sin"),
+    _negative("neg_other_rope_theta", "other_rope_theta", "rope_theta=100", "different cos/sin"),
+]
+
+ALL_CASES: list[Case] = CASES + NEGATIVE_CASES

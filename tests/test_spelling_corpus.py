@@ -1,0 +1,151 @@
+"""The spelling corpus (tests/spelling_corpus.py) through FusedKVPass: the same context K/V math as public
+codebases spell it must fuse (all 3 layers in one group) and match eager; layers whose math truly differs
+must stay out of the group and still match eager.
+
+    pytest tests/test_spelling_corpus.py -q                     # the corpus
+    python tests/test_spelling_corpus.py                        # a case x dtype table of what the pass did
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import pytest
+import torch
+import torch._functorch.config
+import torch._inductor.config
+
+import fx_fusion
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import spelling_corpus  # noqa: E402
+from spelling_corpus import CASES, NEGATIVE_CASES, N_LAYERS  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16]
+FP32_TOL = 2e-5  # a few spellings (sqrt vs rsqrt, float32 RoPE of a float32 norm) differ by an ulp or two
+BF16_REL_TOL = 1e-2
+
+
+@pytest.fixture(autouse=True)
+def fresh_compile():
+    """A fresh dynamo, and the compile caches off so that the pass really runs (and records)."""
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+    torch._dynamo.reset()
+
+
+def compile_and_run(case, dtype):
+    """(compiled outputs, eager outputs, the pass) for `case` in `dtype`, under torch.no_grad()."""
+    module, inputs = case.build(dtype)
+    fused_kv_pass = fx_fusion.FusedKVPass()
+    with torch.no_grad():
+        ref = module(*inputs)
+        compiled = torch.compile(module, options={"post_grad_custom_post_pass": fused_kv_pass})
+        got = compiled(*inputs)
+    return got, ref, fused_kv_pass
+
+
+def assert_matches_eager(got, ref, dtype):
+    got = got if isinstance(got, (tuple, list)) else (got,)
+    ref = ref if isinstance(ref, (tuple, list)) else (ref,)
+    assert len(got) == len(ref)
+    for g, r in zip(got, ref):
+        assert g.shape == r.shape and g.dtype == r.dtype, (g.shape, r.shape, g.dtype, r.dtype)
+        if dtype == torch.float32:
+            torch.testing.assert_close(g, r, rtol=FP32_TOL, atol=FP32_TOL)
+        else:
+            err = ((g.double() - r.double()).norm() / r.double().norm().clamp_min(1e-30)).item()
+            assert err < BF16_REL_TOL, err
+
+
+def groups_and_rejections(fused_kv_pass):
+    groups = [g for record in fused_kv_pass.records for g in record.fused_groups]
+    rejected = [r for record in fused_kv_pass.records for r in record.rejected]
+    return groups, rejected
+
+
+def describe(fused_kv_pass) -> str:
+    groups, rejected = groups_and_rejections(fused_kv_pass)
+    parts = [f"{len(fused_kv_pass.records)} graph(s)"]
+    parts += [f"group: {g.describe()}" for g in groups]
+    parts += [f"rejected {r.location}: {r.reason}" for r in rejected]
+    return "; ".join(parts)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_spelling_fuses_and_matches_eager(case, dtype):
+    got, ref, fused_kv_pass = compile_and_run(case, dtype)
+    assert_matches_eager(got, ref, dtype)
+    assert fused_kv_pass.records, "the pass did not run"
+    groups, _ = groups_and_rejections(fused_kv_pass)
+    assert any(g.n_layers >= N_LAYERS for g in groups), (
+        f"{case.name} ({case.source}): expected all {N_LAYERS} layers in one fused group; {describe(fused_kv_pass)}"
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", NEGATIVE_CASES, ids=[c.name for c in NEGATIVE_CASES])
+def test_deviating_layer_not_grouped_and_matches_eager(case, dtype):
+    got, ref, fused_kv_pass = compile_and_run(case, dtype)
+    assert_matches_eager(got, ref, dtype)
+    groups, _ = groups_and_rejections(fused_kv_pass)
+    assert all(g.n_layers < N_LAYERS for g in groups), (
+        f"{case.name}: {case.expect}, yet all {N_LAYERS} layers were fused together; {describe(fused_kv_pass)}"
+    )
+    offending = re.compile(rf"layers\.{case.offending_layer}\b")
+    for group in groups:
+        assert not any(offending.search(location) for location in group.layers), (
+            f"{case.name}: layer {case.offending_layer} ({case.expect}) was fused into {group.layers}"
+        )
+
+
+def test_explain_vllm_model_factory():
+    """The factory `python -m fx_fusion explain tests/spelling_corpus.py:explain_vllm_model` imports."""
+    from fx_fusion.cli import call_factory, load_factory
+
+    factory = load_factory(os.path.join(os.path.dirname(os.path.abspath(__file__)), "spelling_corpus.py:explain_vllm_model"))
+    module, args, kwargs = call_factory(factory)
+    # load_factory imports the file under its own module name: compare the class by name
+    assert type(module).__name__ == spelling_corpus.VllmContext.__name__ and len(args) == 2 and kwargs == {}
+    with torch.no_grad():
+        assert len(module(*args)) == 2 * N_LAYERS
+
+
+def corpus_table() -> list[tuple[str, str, str]]:
+    """(case, dtype, outcome) for every case: 'fused (...)', 'not fused (...)' or 'error: ...'."""
+    rows = []
+    for case in CASES + NEGATIVE_CASES:
+        for dtype in DTYPES:
+            torch._dynamo.reset()
+            label = "fp32" if dtype == torch.float32 else "bf16"
+            try:
+                with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(
+                    enable_autograd_cache=False
+                ):
+                    got, ref, fused_kv_pass = compile_and_run(case, dtype)
+                try:
+                    assert_matches_eager(got, ref, dtype)
+                    numerics = "matches eager"
+                except AssertionError as exc:
+                    numerics = f"MISMATCH vs eager ({str(exc).splitlines()[0][:80]})"
+                groups, rejected = groups_and_rejections(fused_kv_pass)
+                sizes = [g.n_layers for g in groups]
+                reasons = "; ".join(sorted({r.reason for r in rejected}))[:300]
+                if any(n >= N_LAYERS for n in sizes):
+                    outcome = f"fused {sizes}"
+                else:
+                    outcome = f"not fused {sizes or ''}".rstrip() + (f" ({reasons})" if reasons else " (no candidate)")
+                rows.append((case.name, label, f"{outcome}; {numerics}"))
+            except Exception as exc:  # report, do not stop the table
+                rows.append((case.name, label, f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"))
+    torch._dynamo.reset()
+    return rows
+
+
+if __name__ == "__main__":
+    for name, label, outcome in corpus_table():
+        print(f"{name:<34} {label}  {outcome}")
