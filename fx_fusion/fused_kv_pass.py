@@ -3,25 +3,39 @@
 Matches (post-grad ATen graph, or the joint graph before freezing): L >= min_layers K branches that read
 the same hidden states x, each
 
-    k_l = linear(x, Wk_l[, bk_l])  (or the K columns of a fused kv/qkv linear)
-          -> heads [..., H, D] -> [per-head RMSNorm(w_l, eps)] -> any permute -> RoPE(cos, sin)
+    k_l = linear(x, Wk_l[, bk_l])  (or the K columns of a fused kv/qkv linear, cut by slice or split, or
+          of one linear over weights stacked for all layers viewed as [T, L, 2*kv])
+          -> heads [..., H, D] -> [per-head RMSNorm(w_l, eps)] -> any layout -> RoPE(cos, sin)
 
-with H, D, rotary dim, rotary style, norm presence, eps and cos/sin identical across the group, plus the
-other linears on x with the same output width (the V projections). It replaces them with
+with H, D, rotary dim and style, norm form, eps and cos/sin the same across the group, plus the other
+linears on x with the same output width (the V projections). It replaces them with
 
     proj  = fx_fusion.stacked_linear(x2d, [Wk_0..Wk_L-1, Wv_0..], [biases])    # one GEMM
-    k_all = fx_fusion.materialize_k(proj columns as [N, L, H*D], norm weights, eps, cos, sin)
+    k_all = fx_fusion.materialize_k(proj columns as [N, L, H*D], norm weights, eps, cos/sin tables,
+                                    or the cos/sin cache + positions they were gathered from)
     k_l   = k_all[l] re-laid out exactly as the original branch laid out its K
     v_l   = a view of proj's columns (nothing to compute)
 
 and computes the group's rotary angles, where Hugging Face forms them as an outer-product matmul, as the
 equal broadcast multiply (see rotary_angles), so Inductor fuses them into the cos/sin kernel.
 
-Why it is safe: every piece of a branch is matched exactly (see kv_patterns); the layout ops of the
-original branch are replayed on the fused output, so every consumer sees the same shape, dtype and
-element order; weights are stacked once, by re-homing the parameters onto the stacked buffer (see
-kernels/stacked_params), so in-place weight updates stay visible and nothing is copied per call; any
-branch that differs is left alone and reported.
+Why every accepted region equals the fused op:
+- the projection is an mm/addmm of x with parameters (biases one value per column), and the columns the
+  branch reads are established by replaying its layout ops on an index tensor (kv_patterns.head_layout);
+- the norm is matched op by op in each of its accepted forms (kv_patterns.match_rms_norm), which differ
+  only in where the result is rounded (`norm_weight_in_float32`) and a constant weight offset, both
+  passed to the op;
+- the rotation is proven by what it computes (rotary_action): the region is bilinear in K and its tables
+  by construction, its coefficients are read off exactly and match K*cos + rotate(K)*sin, and a random
+  evaluation agrees;
+- layers are grouped only when their inputs, cos and sin are the same values (values.ValueKeys: the same
+  op on the same arguments), never when they merely look alike;
+- anything else is left alone with a reason, and a refusal while rewriting erases every node it added.
+Results equal the spelled graph up to rounding: the op computes in float32 and rounds where the matched
+norm form rounds and once after the rotation.
+
+Weights are stacked once, by re-homing the parameters onto the stacked buffer (see
+kernels/stacked_params), so in-place weight updates stay visible and nothing is copied per call.
 """
 
 from __future__ import annotations
@@ -182,7 +196,9 @@ def _find_candidates(graph: torch.fx.Graph, record: PassRecord, same_value: Valu
                 continue
             try:
                 projection = kv_patterns.split_into_layers(kv_patterns.match_projection(node))
-            except NoMatch:
+            except NoMatch as reason:
+                if "computed in the graph" in str(reason):  # a linear a user may expect to see fused
+                    record.rejected.append(Rejection(str(reason), node_location(node)))
                 continue
         entry = by_input[same_value(projection.x2d)]
         entry["projections"].append(projection)

@@ -2,17 +2,18 @@
 
 A K branch is, in graph order:
 
-    source  = mm(x2d, W^T) | addmm(b, x2d, W^T) | a column slice of such a fused kv/qkv projection
+    source  = mm(x2d, W^T) | addmm(b, x2d, W^T) | columns of such a fused kv/qkv projection (slice, split,
+              chunk) | the K columns of one projection over all layers' weights viewed as [T, L, 2*kv]
     layout1 = views / reshapes / permutes / transposes / unsqueezes / clones       (to heads)
-    norm    = optional per-head RMSNorm (Hugging Face form, or all float32)
+    norm    = optional per-head RMSNorm: Hugging Face, SGLang-native (weight in float32), Gemma (1 + w),
+              no upcast, nn.RMSNorm / F.rms_norm; rsqrt, 1 / sqrt or division by sqrt
     layout2 = views / permutes ...                                                 (e.g. transpose(1, 2))
-    rotary  = k*cos + rotate(k)*sin over the first rotary_dim dims of the head dim, neox or interleaved,
-              the remaining dims passed through with cat
+    rotary  = any spelling of K*cos + rotate(K)*sin (rotary_action proves it by what it computes)
 
-Everything is checked exactly (exponent 2, mean over the head dim only, eps inside the rsqrt, the
-weight's shape, slice bounds, dtypes); any difference raises `NoMatch` with a reason a user can act on.
-Which axes carry tokens, heads and the head dim is established by replaying the layout ops on an index
-tensor, so any spelling of the reshapes is accepted as long as it means "split the projection into heads".
+The norm is checked op by op (exponent 2, mean over the head dim only, eps inside the root, the weight's
+shape, dtypes); any difference raises `NoMatch` with a reason a user can act on. Which axes carry tokens,
+layers, heads and the head dim is established by replaying the layout ops on an index tensor, so any
+spelling of the reshapes is accepted as long as it means "split the projection into heads".
 """
 
 from __future__ import annotations
@@ -272,19 +273,21 @@ def _match_inverse_rms(upcast: torch.fx.Node, rank: int) -> tuple[torch.fx.Node,
     square = squares[0]
     if is_call(square, aten.pow.Tensor_Scalar) and square.args[1] != 2:
         raise NoMatch(f"K norm uses x^{square.args[1]}, not x^2")
-    mean = _single_user(square, "x^2")
-    if is_call(mean, aten.sum.dim_IntList):
-        raise NoMatch("K norm divides a sum instead of taking the mean")
-    if not is_call(mean, aten.mean.dim):
+    mean = reduced = _single_user(square, "x^2")
+    if is_call(mean, aten.sum.dim_IntList):  # sum(x^2) / head_dim spells the mean
+        reduced = _single_user(mean, "sum(x^2)")
+        if not (is_call(reduced, aten.div.Tensor) and reduced.args[0] is mean and reduced.args[1] == static_shape(upcast)[-1]):
+            raise NoMatch("K norm divides a sum by something other than the head dim instead of taking the mean")
+    elif not is_call(mean, aten.mean.dim):
         raise NoMatch("K norm does not take the mean of x^2")
     dims = [d % rank for d in mean.args[1]]
     keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
     if dims != [rank - 1] or not keepdim:
         raise NoMatch(f"K norm reduces over dims {list(mean.args[1])}, not the last (head) dim alone")
-    add_eps = _single_user(mean, "mean(x^2)")
+    add_eps = _single_user(reduced, "mean(x^2)")
     if not is_call(add_eps, aten.add.Tensor, aten.add.Scalar) or add_eps.kwargs.get("alpha", 1) != 1:
         raise NoMatch("K norm eps is not added to mean(x^2) inside the rsqrt (eps sits elsewhere)")
-    eps = _other_arg(add_eps, mean)
+    eps = _other_arg(add_eps, reduced)
     if isinstance(eps, torch.fx.Node):
         if not isinstance(val(eps), torch.Tensor) or val(eps).dim() != 0:
             raise NoMatch("K norm eps is not a scalar")
@@ -293,7 +296,7 @@ def _match_inverse_rms(upcast: torch.fx.Node, rank: int) -> tuple[torch.fx.Node,
     elif not isinstance(eps, float):
         raise NoMatch("K norm eps is not a float")
     root = _single_user(add_eps, "mean(x^2) + eps")
-    if is_call(root, aten.rsqrt.default):
+    if is_call(root, aten.rsqrt.default) or (is_call(root, aten.pow.Tensor_Scalar) and root.args[1] == -0.5):
         inverse = root
     elif is_call(root, aten.sqrt.default):
         after = _single_user(root, "sqrt(mean(x^2) + eps)")

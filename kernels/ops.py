@@ -526,7 +526,12 @@ def fused_norm_rope_stacked(
     skips it); inside torch.compile, export or CUDA-graph capture, and for meta tensors, nothing syncs and
     the kernel clamps positions into the cache. Arguments of the wrong Python type raise a TypeError.
     """
-    _check_drop_in_types(**locals())
+    _check_drop_in_types(  # named one by one: dynamo cannot trace locals()
+        kv=kv, k_norm_weight=k_norm_weight, eps=eps, cos_sin_cache=cos_sin_cache, positions=positions,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, k_out=k_out, v_out=v_out,
+        interleaved=interleaved, eps_value=eps_value, check_positions=check_positions,
+        norm_weight_offset=norm_weight_offset, norm_weight_in_float32=norm_weight_in_float32,
+    )
     check_stacked_kv_rank(kv)
     total_ctx, n_layers, _ = kv.shape
     if total_ctx == 0:  # SGLang skips the width check for an empty context; everything else is still checked
