@@ -27,6 +27,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import rotary_action
+from .values import ValueKeys
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -163,8 +164,9 @@ def match_concat_projection(node: torch.fx.Node) -> Projection:
         raise NoMatch("not a concatenation of projections")
     parts = [match_projection(p) for p in node.args[0]]
     first = parts[0]
+    same_value = ValueKeys()
     for part in parts:
-        same_input = base_of(part.x2d) is base_of(first.x2d) and str(val(part.x2d).shape) == str(val(first.x2d).shape)
+        same_input = same_value(part.x2d) == same_value(first.x2d)
         if not same_input or part.out_features != first.out_features or part.weight_transposed:
             raise NoMatch("concatenated projections differ in input or width")
         if bool(part.biases) != bool(first.biases) or len(part.node.users) != 1:
@@ -389,14 +391,6 @@ def match_rms_norm(x: torch.fx.Node) -> RMSNorm:
         weight_offset=offset,
         weight_in_float32=weight_in_float32,
     )
-
-
-def _layout_chain(node: torch.fx.Node) -> list[torch.fx.Node]:
-    chain = []
-    while is_call(node, *LAYOUT_OPS):
-        chain.append(node)
-        node = node.args[0]
-    return chain
 
 
 def _slice_args(node) -> tuple:
