@@ -14,6 +14,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch._functorch.config
 import torch._inductor.config
 
@@ -164,3 +166,82 @@ def corpus_table() -> list[tuple[str, str, str]]:
 if __name__ == "__main__":
     for name, label, outcome in corpus_table():
         print(f"{name:<34} {label}  {outcome}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Random compositions of equivalent spellings, one per piece (projection cut, norm form, rotary form, dtype)
+
+def _norm(form, k, weight, eps=1e-6):
+    x = k if form == "no_upcast" else k.float()
+    if form == "sqrt_divide":
+        normed = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    elif form == "rms_norm":
+        normed = torch.nn.functional.rms_norm(x, (x.shape[-1],), eps=eps)
+    else:
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    if form in ("weight_in_float32", "one_plus_weight"):
+        scale = weight.float() + (1.0 if form == "one_plus_weight" else 0.0)
+        return (normed * scale).to(k.dtype)
+    return weight * normed.to(k.dtype)
+
+
+def _rotate(form, k, cos, sin):
+    """k [T, H, D]; cos, sin [T, D // 2] (one value per frequency)."""
+    cos, sin = cos.unsqueeze(1).to(k.dtype), sin.unsqueeze(1).to(k.dtype)
+    if form in ("halves_slices", "halves_chunk"):
+        half = k.shape[-1] // 2
+        x1, x2 = k.chunk(2, dim=-1) if form == "halves_chunk" else (k[..., :half], k[..., half:])
+        return k * torch.cat((cos, cos), -1) + torch.cat((-x2, x1), -1) * torch.cat((sin, sin), -1)
+    if form == "cos_sin_halves":
+        x1, x2 = torch.chunk(k, 2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    x1, x2 = k[..., ::2], k[..., 1::2]  # GPT-J pairs
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+
+
+class _Composed(torch.nn.Module):
+    def __init__(self, projection, norm, rotary, heads=2, head_dim=16, hidden=48):
+        super().__init__()
+        self.projection, self.norm, self.rotary, self.heads, self.head_dim = projection, norm, rotary, heads, head_dim
+        kv = heads * head_dim
+        width = 3 * kv if projection == "qkv_split" else kv
+        self.k = torch.nn.ModuleList(torch.nn.Linear(hidden, width) for _ in range(N_LAYERS))
+        self.v = torch.nn.ModuleList(torch.nn.Linear(hidden, kv) for _ in range(N_LAYERS))
+        self.w = torch.nn.ParameterList(torch.nn.Parameter(1 + 0.2 * torch.randn(head_dim)) for _ in range(N_LAYERS))
+
+    def forward(self, x, cos, sin):
+        outs, kv = [], self.heads * self.head_dim
+        for k_proj, v_proj, weight in zip(self.k, self.v, self.w):
+            if self.projection == "qkv_split":
+                _, k, v = k_proj(x).split([kv, kv, kv], dim=-1)
+            else:
+                k, v = k_proj(x), v_proj(x)
+            k = k.view(x.shape[0], self.heads, self.head_dim)
+            if self.norm != "none":
+                k = _norm(self.norm, k, weight)
+            outs += [_rotate(self.rotary, k, cos, sin), v]
+        return outs
+
+
+@settings(max_examples=int(os.environ.get("FX_FUSION_SPELLING_EXAMPLES", "6")), deadline=None, derandomize=True)
+@given(
+    projection=st.sampled_from(["separate", "qkv_split"]),
+    norm=st.sampled_from(["hf", "no_upcast", "sqrt_divide", "rms_norm", "weight_in_float32", "one_plus_weight", "none"]),
+    rotary=st.sampled_from(["halves_slices", "halves_chunk", "cos_sin_halves", "pairs"]),
+    dtype=st.sampled_from(DTYPES),
+)
+def test_random_spelling_compositions_fuse_and_match_eager(projection, norm, rotary, dtype):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    module = _Composed(projection, norm, rotary).to(dtype)
+    angles = torch.randn(5, module.head_dim // 2)
+    inputs = (torch.randn(5, 48, dtype=dtype), angles.cos().to(dtype), angles.sin().to(dtype))
+    fused_kv_pass = fx_fusion.FusedKVPass()
+    with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
+        ref = module(*inputs)
+        got = torch.compile(module, options={"post_grad_custom_post_pass": fused_kv_pass})(*inputs)
+    assert_matches_eager(got, ref, dtype)
+    groups, _ = groups_and_rejections(fused_kv_pass)
+    assert [g.n_layers for g in groups] == [N_LAYERS], describe(fused_kv_pass)
+    assert groups[0].k_norm == (norm != "none")
+    assert groups[0].rotary_style == ("interleaved" if rotary == "pairs" else "neox")
