@@ -53,12 +53,6 @@ from typing import Any, Callable
 
 import torch
 
-try:
-    import fx_fusion  # noqa: F401
-except ImportError:  # run from a source checkout without an install
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import fx_fusion  # noqa: F401
-
 from fx_fusion import cuda_graphs
 from fx_fusion.drafts import HandFusedContextKV, build_workload, example_inputs
 

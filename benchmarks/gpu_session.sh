@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # One GPU session: CUDA tests, the memory checker on the kernel, the benchmarks, the host-cost breakdown.
 #   OUT=/some/dir bash benchmarks/gpu_session.sh [tests] [sanitize] [bench_op] [bench_module] [bench_module_quick] [host]
-# Runs from a source checkout without installing (fx_fusion finds kernels/ beside it); logs go to $OUT.
+# Installs the checkout editable first (offline: the build needs setuptools>=77 already installed), so
+# everything runs against the installed package; logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+if ! python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1; then
+  tail -n 5 "$OUT/install.log"
+  echo "pip install --no-deps --no-build-isolation -e . failed (is setuptools>=77 installed?); see $OUT/install.log" >&2
+  exit 1
+fi
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests sanitize bench_op bench_module)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"

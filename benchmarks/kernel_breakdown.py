@@ -9,17 +9,9 @@ each form, torch.profiler's table of the GPU kernels of 10 calls: which kernel t
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 from triton.testing import do_bench
-
-try:
-    import fx_fusion  # noqa: F401
-except ImportError:  # run from a source checkout without an install
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import fx_fusion  # noqa: F401
 
 import fx_fusion.backend  # noqa: F401  (registers the backend when no entry point did)
 from fx_fusion import cuda_graphs
