@@ -24,17 +24,10 @@ import argparse
 import itertools
 import json
 import os
-import sys
 
 import torch
 import triton
 import triton.testing
-
-try:
-    import fx_fusion  # noqa: F401
-except ImportError:  # run from a source checkout without an install
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import fx_fusion  # noqa: F401
 
 from fx_fusion.kernels.fused_kv_materialize import default_launch_config, launch_fused_kv_materialize
 from fx_fusion.kernels.ops import fused_norm_rope_stacked
@@ -147,7 +140,7 @@ def direct_launch(block_rows: int, num_warps: int):
         v_out = torch.empty_like(k_out)
         launch_fused_kv_materialize(
             kv[..., :kv_size], kv[..., kv_size:], k_norm_weight, eps, 0.0, cos_sin_cache, None, positions,
-            k_out, v_out, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM, False, 0.0, False, block_rows=block_rows,
+            k_out, v_out, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM, False, 0.0, False, True, block_rows=block_rows,
             num_warps=num_warps,
         )
         return k_out, v_out
@@ -165,7 +158,7 @@ def k_only_call(kv, k_norm_weight, eps, cos_sin_cache, positions):
     k_proj = kv[..., : NUM_KV_HEADS * HEAD_DIM]
     return torch.ops.fx_fusion.materialize_k(
         k_proj, [k_norm_weight], eps, 0.0, cos_sin_cache, None, positions, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM, False,
-        0.0, False,
+        0.0, False, True,
     )
 
 

@@ -16,16 +16,9 @@ import cProfile
 import io
 import os
 import pstats
-import sys
 import time
 
 import torch
-
-try:
-    import fx_fusion  # noqa: F401
-except ImportError:  # run from a source checkout without an install
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import fx_fusion  # noqa: F401
 
 import fx_fusion.backend  # noqa: F401  (registers the backend when no entry point did)
 from fx_fusion.drafts import HandFusedContextKV, build_workload, example_inputs
@@ -105,13 +98,16 @@ def main(argv=None) -> int:
         kv = torch.mm(flat, hand.kv_weight.t()).view(-1, L, 2 * H * D)
         k_proj, v_proj = kv[..., : H * D], kv[..., H * D :]
         norm = [hand.k_norm_weight] if hand.k_norm_weight is not None else []
-        common = (k_proj, norm, None, hand.eps_value, hand.cos_sin_cache, None, pos.reshape(-1), H, D, D, False, 0.0, False)
+        common = (
+            k_proj, norm, None, hand.eps_value, hand.cos_sin_cache, None, pos.reshape(-1), H, D, D, False, 0.0, False,
+            True,
+        )  # fmt: skip
         report("fx_fusion::materialize_kv", lambda: torch.ops.fx_fusion.materialize_kv(*common, v_proj))
         report("  its validation alone", lambda: ops._validate(common, v_proj))
         k_out, v_out = ops._new_output(common), ops._new_output(common)
         launch_args = (
             k_proj, v_proj, norm[0] if norm else None, None, hand.eps_value, hand.cos_sin_cache, None,
-            pos.reshape(-1), k_out, v_out, H, D, D, False, 0.0, False,
+            pos.reshape(-1), k_out, v_out, H, D, D, False, 0.0, False, True,
         )  # fmt: skip
         if device.type == "cuda":
             report("  the Triton launch alone", lambda: launch_fused_kv_materialize(*launch_args))

@@ -409,6 +409,7 @@ class HandFusedContextKV(nn.Module):
             False,  # neox rotary
             0.0,  # norm weight offset
             False,  # Hugging Face rounding: normalise, round, then the weight
+            True,  # round the normalised K before RoPE
             kv[..., kv_size:],  # V part
         )  # k, v: [L, B*T, H, D]
         outputs = []

@@ -158,7 +158,7 @@ def _group_key(branch: KBranch, same_value: ValueKeys) -> tuple:
         ("k_norm", norm is not None),
         ("eps", eps),
         ("norm weight offset", norm.weight_offset if norm else None),
-        ("norm rounding", norm.weight_in_float32 if norm else None),
+        ("norm rounding", (norm.weight_in_float32, norm.round_before_rope) if norm else None),
         ("bias", bool(proj.biases)),
         ("projection width", proj.layer_width),
         ("K column in projection", branch.source.col_start),
@@ -182,9 +182,10 @@ def _find_candidates(graph: torch.fx.Graph, record: PassRecord, same_value: Valu
         except NoMatch:
             pass
     parts = {part for projection in concatenated.values() for part in projection.parts}
+    concatenated = {node: projection for node, projection in concatenated.items() if node not in parts}
     for node in graph.nodes:
         if node in concatenated:
-            projection = concatenated[node]
+            projection = kv_patterns.split_into_layers(concatenated[node])
         elif node in parts:
             continue
         else:
@@ -519,6 +520,7 @@ def _rewrite_group(graph, fake_mode, branches: list[KBranch], extra: list[Projec
                 first.rotary.interleaved,
                 first.norm.weight_offset if first.norm else 0.0,
                 first.norm.weight_in_float32 if first.norm else False,
+                first.norm.round_before_rope if first.norm else True,
             )
             new_outputs, layer = [], 0
             for branch in branches:

@@ -27,22 +27,11 @@ import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import rotary_action
-from .values import ValueKeys
+from .values import LAYOUT_OPS, ValueKeys
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-LAYOUT_OPS = {
-    aten.view.default,
-    aten.reshape.default,
-    aten._unsafe_view.default,
-    aten.permute.default,
-    aten.transpose.int,
-    aten.unsqueeze.default,
-    aten.squeeze.dim,
-    aten.clone.default,
-    aten.alias.default,
-}
 PROJECTION_OPS = {aten.mm.default, aten.addmm.default}
 SLICE_END_MAX = 2**63 - 1
 FLOAT32 = torch.float32
@@ -156,13 +145,37 @@ def match_projection(node: torch.fx.Node) -> Projection:
     raise NoMatch("projection weight is computed in the graph, not a parameter")
 
 
+def _is_column_cat(node) -> bool:
+    """cat(..., dim=1) of 2-D tensors."""
+    return (
+        is_call(node, aten.cat.default)
+        and len(val(node).shape) == 2
+        and (node.args[1] if len(node.args) > 1 else 0) % 2 == 1
+        and len(node.args[0]) >= 2
+    )
+
+
+def _column_cat_leaves(node: torch.fx.Node) -> tuple[list[torch.fx.Node], list[torch.fx.Node]]:
+    """(leaves, inner cats) of a column concatenation, nested ones flattened in column order
+    (`torch.stack([torch.cat([k_proj(x), v_proj(x)], -1) for ...], 1)` reaches the graph as cat of cats)."""
+    leaves, inner = [], []
+    for part in node.args[0]:
+        if _is_column_cat(part) and len(part.users) == 1:
+            part_leaves, part_inner = _column_cat_leaves(part)
+            leaves += part_leaves
+            inner += [part, *part_inner]
+        else:
+            leaves.append(part)
+    return leaves, inner
+
+
 def match_concat_projection(node: torch.fx.Node) -> Projection:
-    """cat([linear_0(x2d), linear_1(x2d), ...], dim=1) of equal widths: the stacked spelling."""
-    if not is_call(node, aten.cat.default) or len(val(node).shape) != 2:
+    """cat([linear_0(x2d), linear_1(x2d), ...], dim=1) of equal widths, nested cats flattened: the
+    stacked spelling."""
+    if not _is_column_cat(node):
         raise NoMatch("not a concatenation of projections")
-    if (node.args[1] if len(node.args) > 1 else 0) % 2 != 1 or len(node.args[0]) < 2:
-        raise NoMatch("not a concatenation of projections")
-    parts = [match_projection(p) for p in node.args[0]]
+    leaves, inner = _column_cat_leaves(node)
+    parts = [match_projection(p) for p in leaves]
     first = parts[0]
     same_value = ValueKeys()
     for part in parts:
@@ -178,7 +191,7 @@ def match_concat_projection(node: torch.fx.Node) -> Projection:
         [b for p in parts for b in p.biases],
         False,
         n_layers=len(parts),
-        parts=tuple(p.node for p in parts),
+        parts=tuple(p.node for p in parts) + tuple(inner),
     )
 
 
@@ -210,6 +223,7 @@ class RMSNorm:
     width: int  # size of the normalised (last) dim
     weight_offset: float = 0.0  # the norm scales by (weight_offset + weight): 1.0 in Gemma's form
     weight_in_float32: bool = False  # weight applied before the one rounding back (else after it)
+    round_before_rope: bool = True  # False: the float32 result feeds the RoPE, which rounds once at its end
 
 
 def _single_user(node: torch.fx.Node, what: str) -> torch.fx.Node:
@@ -348,6 +362,7 @@ def match_rms_norm(x: torch.fx.Node) -> RMSNorm:
 
     weight * (x.float() * rsqrt(mean(x.float()^2, -1, keepdim) + eps)).to(x.dtype)     Hugging Face
     ((x.float() * rsqrt(...)) * (offset + weight.float())).to(x.dtype)               SGLang native, Gemma
+    (x.float() * rsqrt(...)) * weight.float(), rounded only after the RoPE            SGLang reference
     x * rsqrt(...) * weight                                                            no upcast / float32
     with x / sqrt(...) or x * (1 / sqrt(...)) for x * rsqrt(...), eps added either way round.
     """
@@ -363,15 +378,19 @@ def match_rms_norm(x: torch.fx.Node) -> RMSNorm:
             upcast = casts[0]
     normed, eps = _match_inverse_rms(upcast, rank)
     after = _single_user(normed, "x * rsqrt(...)")
-    weight_in_float32 = False
+    weight_in_float32, round_before_rope = False, True
     if upcast is not x and _is_cast(after, in_dtype):  # round first, then the weight (Hugging Face)
         normed, after = after, _single_user(after, "normalised K")
         out = after
     elif upcast is not x:  # the weight in float32, then one rounding (SGLang native, Gemma)
         weight_in_float32 = True
-        out = _single_user(after, "weighted K") if is_call(after, aten.mul.Tensor) else None
-        if out is None or not _is_cast(out, in_dtype):
-            raise NoMatch("K norm does not cast back to its input dtype after the weight")
+        if not is_call(after, aten.mul.Tensor):
+            raise NoMatch("K norm has no elementwise weight after normalising")
+        cast_back = [u for u in after.users if _is_cast(u, in_dtype)]
+        if len(after.users) == 1 and cast_back:
+            out = cast_back[0]
+        else:  # still float32: the RoPE that follows rounds (its result must come back in_dtype)
+            out, round_before_rope = after, False
     else:
         out = after
     if not is_call(after, aten.mul.Tensor):
@@ -380,7 +399,7 @@ def match_rms_norm(x: torch.fx.Node) -> RMSNorm:
     if not isinstance(weight, torch.fx.Node):
         raise NoMatch("K norm scales by a constant, not a weight")
     parameter, offset = _norm_weight_parameter(weight)
-    if val(out).dtype != in_dtype:
+    if val(out).dtype != (in_dtype if round_before_rope else FLOAT32):
         raise NoMatch(f"K norm output is {val(out).dtype}, its input {in_dtype}")
     return RMSNorm(
         out=out,
@@ -390,6 +409,7 @@ def match_rms_norm(x: torch.fx.Node) -> RMSNorm:
         width=width,
         weight_offset=offset,
         weight_in_float32=weight_in_float32,
+        round_before_rope=round_before_rope,
     )
 
 
@@ -621,9 +641,10 @@ def whole(projection: Projection) -> BranchSource:
 
 def split_into_layers(projection: Projection) -> Projection:
     """A projection over weights stacked for all layers, `linear(x, W_all).view(T, L, width)` cut into K
-    and V columns (the seed's [total_ctx, n_layers, kv_size*2] layout), counts as L layers."""
+    and V columns (the seed's [total_ctx, n_layers, kv_size*2] layout), counts as L layers; so does a
+    concatenation of per-layer projections viewed that way."""
     node = projection.node
-    if projection.n_layers != 1 or len(node.users) != 1:
+    if len(node.users) != 1:
         return projection
     (view,) = node.users
     shape = static_shape(view) if is_call(view, aten.view.default, aten.reshape.default) else []

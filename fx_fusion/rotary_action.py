@@ -32,22 +32,13 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from .values import ValueKeys
+from .values import LAYOUT_OPS, ValueKeys
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-_LAYOUT = {
-    aten.view.default,
-    aten.reshape.default,
-    aten._unsafe_view.default,
-    aten.permute.default,
-    aten.transpose.int,
-    aten.unsqueeze.default,
-    aten.squeeze.dim,
+_LAYOUT = LAYOUT_OPS | {
     aten.squeeze.dims,
-    aten.clone.default,
-    aten.alias.default,
     aten.expand.default,
     aten.slice.Tensor,
     aten.select.int,

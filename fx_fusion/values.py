@@ -11,6 +11,23 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+aten = torch.ops.aten
+
+# Ops that only re-lay out (or copy) a tensor: the same elements, in another shape or order.
+LAYOUT_OPS = frozenset(
+    {
+        aten.view.default,
+        aten.reshape.default,
+        aten._unsafe_view.default,
+        aten.permute.default,
+        aten.transpose.int,
+        aten.unsqueeze.default,
+        aten.squeeze.dim,
+        aten.clone.default,
+        aten.alias.default,
+    }
+)
+
 
 class ValueKeys:
     """Callable: node -> hashable key of the value it computes (memoised for one graph)."""

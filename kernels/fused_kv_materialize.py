@@ -14,14 +14,16 @@ For every layer l, token t and head h, with k = k_proj[t, l, h*D:(h+1)*D] in flo
 
     n = round(round(k * rsqrt(mean(k^2) + eps[l])) * w)     (norm_weight_in_float32=False; skipped without a K norm)
     n = round(k * rsqrt(mean(k^2) + eps[l]) * w)            (norm_weight_in_float32=True)
+    n = k * rsqrt(mean(k^2) + eps[l]) * w                   (norm_weight_in_float32=True, norm_round_before_rope=False)
     k_out[l, t, h, i] = round(n[i] * c[i] + sign(i) * n[partner(i)] * s[i])    for i < rotary_dim
-    k_out[l, t, h, i] = n[i]                                                    for i >= rotary_dim
+    k_out[l, t, h, i] = round(n[i])                                             for i >= rotary_dim
     v_out[l, t, h, :] = v_proj[t, l, h*D:(h+1)*D]
 
 where w = weight[l] + norm_weight_offset in float32 and round() rounds to the output dtype. The first form
 reproduces Hugging Face's Llama/Qwen3 RMSNorm, `weight * hidden.to(input_dtype)` (two roundings); the second
 SGLang's native RMSNorm and Gemma's, `(x * rsqrt(...) * w.float()).to(input_dtype)` (one rounding), where Gemma
-uses norm_weight_offset = 1.0 (`1 + weight`). With r = rotary_dim,
+uses norm_weight_offset = 1.0 (`1 + weight`). The third keeps the normalised K in float32 through RoPE and
+rounds once at the very end (SGLang's reference math for the stacked layout). With r = rotary_dim,
 
     neox ("rotate half"):  partner(i) = i + r/2, sign -1 for i < r/2;  partner(i) = i - r/2, sign +1 after
     interleaved (GPT-J):   partner(i) = i ^ 1, sign -1 for even i.
@@ -98,6 +100,7 @@ def _fused_kv_materialize_kernel(
     COPY_V: tl.constexpr,
     NORM_WEIGHT_OFFSET: tl.constexpr,
     NORM_WEIGHT_IN_FLOAT32: tl.constexpr,
+    NORM_ROUND_BEFORE_ROPE: tl.constexpr,
 ):
     """One program: BLOCK_ROWS consecutive (token, head) rows of one layer.
 
@@ -155,22 +158,24 @@ def _fused_kv_materialize_kernel(
         weight_row = norm_weight_ptr + layer * stride_weight_layer
         # round(round(x * inv_rms) * w), the two roundings of `weight * hidden.to(input_dtype)`, or with
         # NORM_WEIGHT_IN_FLOAT32 round(x * inv_rms * w): x * inv_rms is then "rounded" to float32, a no-op.
+        # Without NORM_ROUND_BEFORE_ROPE, (x * inv_rms * w) stays float32 too; only the final store rounds.
         normed_dtype = tl.float32 if NORM_WEIGHT_IN_FLOAT32 else out_dtype
+        weighted_dtype = out_dtype if NORM_ROUND_BEFORE_ROPE else tl.float32
         if INTERLEAVED:
             w_r = tl.load(weight_row + rot_dims * stride_weight_dim, mask=rot_dim_mask, other=0.0)
             w_r = w_r.to(tl.float32) + NORM_WEIGHT_OFFSET
-            x_r = ((x_r * inv_rms).to(normed_dtype).to(tl.float32) * w_r[None, :]).to(out_dtype).to(tl.float32)
+            x_r = ((x_r * inv_rms).to(normed_dtype).to(tl.float32) * w_r[None, :]).to(weighted_dtype).to(tl.float32)
         else:
             w_a = tl.load(weight_row + freq * stride_weight_dim, mask=freq < HALF, other=0.0)
             w_b = tl.load(weight_row + (HALF + freq) * stride_weight_dim, mask=freq < HALF, other=0.0)
             w_a = w_a.to(tl.float32) + NORM_WEIGHT_OFFSET
             w_b = w_b.to(tl.float32) + NORM_WEIGHT_OFFSET
-            x_a = ((x_a * inv_rms).to(normed_dtype).to(tl.float32) * w_a[None, :]).to(out_dtype).to(tl.float32)
-            x_b = ((x_b * inv_rms).to(normed_dtype).to(tl.float32) * w_b[None, :]).to(out_dtype).to(tl.float32)
-        if PASS_PAD > 0:
+            x_a = ((x_a * inv_rms).to(normed_dtype).to(tl.float32) * w_a[None, :]).to(weighted_dtype).to(tl.float32)
+            x_b = ((x_b * inv_rms).to(normed_dtype).to(tl.float32) * w_b[None, :]).to(weighted_dtype).to(tl.float32)
+        if PASS_PAD > 0:  # not rotated: the store rounds it either way
             w_p = tl.load(weight_row + dims_p * stride_weight_dim, mask=pass_dim_mask, other=0.0)
             w_p = w_p.to(tl.float32) + NORM_WEIGHT_OFFSET
-            x_p = ((x_p * inv_rms).to(normed_dtype).to(tl.float32) * w_p[None, :]).to(out_dtype).to(tl.float32)
+            x_p = (x_p * inv_rms).to(normed_dtype).to(tl.float32) * w_p[None, :]
 
     if USE_POSITIONS:  # cache row: [cos_0 .. cos_{r/2-1}, sin_0 .. sin_{r/2-1}]
         positions = tl.load(positions_ptr + tokens * stride_positions, mask=row_mask, other=0).to(tl.int64)
@@ -278,6 +283,7 @@ def launch_fused_kv_materialize(
     interleaved: bool,
     norm_weight_offset: float,
     norm_weight_in_float32: bool,
+    norm_round_before_rope: bool,
     *,
     interpret: bool = False,
     block_rows: int | None = None,
@@ -288,7 +294,9 @@ def launch_fused_kv_materialize(
     norm_weight: [n_layers, head_dim] or None (no K norm). eps: [n_layers] or None (use eps_value).
     positions None: `cos`, `sin` are per-token [total_ctx, rotary_dim]; else `cos` is the cos/sin cache
     [max_pos, rotary_dim], `positions` [total_ctx] (any stride) and `sin` is ignored. The norm multiplies by
-    norm_weight + norm_weight_offset, rounding once (norm_weight_in_float32) or twice (module docstring). `interpret` runs the kernel through Triton's interpreter
+    norm_weight + norm_weight_offset, rounding once (norm_weight_in_float32) or twice (module docstring), and
+    rounds the normalised K before RoPE unless `norm_round_before_rope` is False (float32 through RoPE; only
+    meaningful with norm_weight_in_float32). `interpret` runs the kernel through Triton's interpreter
     (CPU tensors). `block_rows` / `num_warps` override the launch heuristic (tuning only).
     """
     total_ctx, n_layers, _ = k_proj.shape
@@ -347,6 +355,7 @@ def launch_fused_kv_materialize(
         COPY_V=copy_v,
         NORM_WEIGHT_OFFSET=float(norm_weight_offset),
         NORM_WEIGHT_IN_FLOAT32=norm_weight_in_float32,
+        NORM_ROUND_BEFORE_ROPE=norm_round_before_rope,
         num_warps=num_warps or default_warps,
     )
     if interpret:
@@ -402,6 +411,7 @@ def fused_kv_materialize_torch(
     interleaved: bool,
     norm_weight_offset: float,
     norm_weight_in_float32: bool,
+    norm_round_before_rope: bool,
 ) -> None:
     """The kernel's math in PyTorch, same arguments as `launch_fused_kv_materialize` (all layers at once)."""
     total_ctx, n_layers, _ = k_proj.shape
@@ -414,7 +424,9 @@ def fused_kv_materialize_torch(
         normed = k * inv_rms
         if not norm_weight_in_float32:
             normed = normed.to(out_dtype).float()
-        k = (normed * weight).to(out_dtype).float()
+        k = normed * weight
+        if norm_round_before_rope:
+            k = k.to(out_dtype).float()
     cos_t, sin_t = _rope_cos_sin(cos, sin, positions, rotary_dim, interleaved)
     cos_t = cos_t.view(total_ctx, 1, 1, rotary_dim)
     sin_t = sin_t.view(total_ctx, 1, 1, rotary_dim)

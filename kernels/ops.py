@@ -15,6 +15,10 @@ Ops (namespace `fx_fusion`), all backed by one kernel (`fused_kv_materialize.py`
     norm_weight_offset      float: the K norm multiplies by (norm_weight_offset + weight); Gemma uses 1.0
     norm_weight_in_float32  bool: False rounds twice, round(round(x * inv_rms) * w) (Hugging Face Llama/Qwen3);
                             True once, round(x * inv_rms * w) in float32 (SGLang's native RMSNorm, Gemma)
+    norm_round_before_rope  bool: True rounds the normalised K to the output dtype before RoPE (all of the
+                            above); False keeps x * inv_rms * w in float32 through RoPE and rounds once at the
+                            end, round(rope(x * inv_rms * w)) (SGLang's reference math for the stacked layout).
+                            False needs norm_weight_in_float32=True (ValueError otherwise); no effect without a norm
 
     materialize_k(<common>) -> k_out
     materialize_kv(<common>, v_proj) -> (k_out, v_out)          v_proj: like k_proj
@@ -27,7 +31,7 @@ variable TRITON_INTERPRET is "1" at call time.
 
 `fused_norm_rope_stacked` has the signature and semantics of SGLang's stacked fused K/V helper
 (`kv` [total_ctx, n_layers, kv_size*2], cos_sin_cache + positions), raises the same ValueErrors in the same
-order, and adds `interleaved`, `k_norm_weight=None`, `check_positions` and the two K-norm options.
+order, and adds `interleaved`, `k_norm_weight=None`, `check_positions` and the three K-norm options.
 """
 
 import functools
@@ -99,7 +103,9 @@ def _check_head_layout(num_kv_heads: int, head_dim: int, rotary_dim: int) -> Non
         )
 
 
-def _check_scalars(eps_value: float, norm_weight_offset: float) -> None:
+def _check_scalars(
+    eps_value: float, norm_weight_offset: float, norm_weight_in_float32: bool, norm_round_before_rope: bool
+) -> None:
     if not math.isfinite(eps_value) or eps_value < 0:
         raise ValueError(
             f"Invalid eps_value for fused KV materialization: got {eps_value}, expected a finite float >= 0."
@@ -108,6 +114,12 @@ def _check_scalars(eps_value: float, norm_weight_offset: float) -> None:
         raise ValueError(
             f"Invalid norm_weight_offset for fused KV materialization: got {norm_weight_offset}, "
             "expected a finite float."
+        )
+    if not norm_round_before_rope and not norm_weight_in_float32:
+        raise ValueError(
+            "Invalid K-norm rounding options for fused KV materialization: norm_round_before_rope=False (keep "
+            "the normalised K in float32 through RoPE) needs norm_weight_in_float32=True, got "
+            "norm_weight_in_float32=False."
         )
 
 
@@ -280,6 +292,8 @@ def validate_materialize_args(
     head_dim: int,
     rotary_dim: int,
     norm_weight_offset: float,
+    norm_weight_in_float32: bool,
+    norm_round_before_rope: bool,
     v_proj: Optional[torch.Tensor] = None,
     k_out: Optional[torch.Tensor] = None,
     v_out: Optional[torch.Tensor] = None,
@@ -287,7 +301,8 @@ def validate_materialize_args(
     """Raise ValueError for any argument the kernel cannot handle; reads shapes, dtypes, devices and addresses.
 
     Order: head layout / rotary pair, projection shapes, k_norm_weight, eps, k_out, v_out, then dtypes,
-    devices, the cos/sin/positions tables, eps_value / norm_weight_offset and, for real outputs, memory
+    devices, the cos/sin/positions tables, eps_value / norm_weight_offset / the rounding options and, for
+    real outputs, memory
     overlap (k_out with v_out, then outputs with inputs). Works on fake tensors and symbolic shapes.
     """
     _check_head_layout(num_kv_heads, head_dim, rotary_dim)
@@ -299,7 +314,7 @@ def validate_materialize_args(
     _check_output("v_out", v_out, expected_out_shape, k_proj)
     _check_dtypes_and_devices(k_proj, v_proj, k_norm_weight, eps, cos, sin, positions)
     _check_rope_tables(cos, sin, positions, total_ctx, rotary_dim)
-    _check_scalars(eps_value, norm_weight_offset)
+    _check_scalars(eps_value, norm_weight_offset, norm_weight_in_float32, norm_round_before_rope)
     inputs = {"k_proj": k_proj, "v_proj": v_proj, "eps": eps, "cos": cos, "sin": sin, "positions": positions}
     inputs.update((f"k_norm_weight[{i}]", w) for i, w in enumerate(k_norm_weight))
     _check_outputs_do_not_overlap({"k_out": k_out, "v_out": v_out}, inputs)
@@ -345,13 +360,14 @@ class CommonArgs(NamedTuple):
     interleaved: bool
     norm_weight_offset: float
     norm_weight_in_float32: bool
+    norm_round_before_rope: bool
 
 
 def _validate(common: tuple, v_proj=None, k_out=None, v_out=None) -> None:
     c = CommonArgs(*common)
     validate_materialize_args(
         c.k_proj, c.k_norm_weight, c.eps, c.eps_value, c.cos, c.sin, c.positions, c.num_kv_heads, c.head_dim,
-        c.rotary_dim, c.norm_weight_offset, v_proj, k_out, v_out,
+        c.rotary_dim, c.norm_weight_offset, c.norm_weight_in_float32, c.norm_round_before_rope, v_proj, k_out, v_out,
     )  # fmt: skip
 
 
@@ -392,6 +408,7 @@ def _launch(backend, common: tuple, v_proj, k_out, v_out) -> None:
     backend(
         c.k_proj, v_proj, norm_weight, c.eps, c.eps_value, c.cos, c.sin, c.positions, k_out, v_out,
         c.num_kv_heads, c.head_dim, c.rotary_dim, c.interleaved, c.norm_weight_offset, c.norm_weight_in_float32,
+        c.norm_round_before_rope,
     )  # fmt: skip
 
 
@@ -426,7 +443,7 @@ def _materialize_kv_out(backend, *args) -> None:
 _COMMON_SCHEMA = (
     "Tensor k_proj, Tensor[] k_norm_weight, Tensor? eps, float eps_value, Tensor cos, Tensor? sin, "
     "Tensor? positions, SymInt num_kv_heads, SymInt head_dim, SymInt rotary_dim, bool interleaved, "
-    "float norm_weight_offset, bool norm_weight_in_float32"
+    "float norm_weight_offset, bool norm_weight_in_float32, bool norm_round_before_rope"
 )
 _library = torch.library.Library("fx_fusion", "FRAGMENT")
 _library.define(f"materialize_k({_COMMON_SCHEMA}) -> Tensor")
@@ -483,7 +500,7 @@ def _check_drop_in_types(**arguments) -> None:
     kinds = {
         "an int": (("num_kv_heads", "head_dim", "rotary_dim"), (int, torch.SymInt)),
         "a float": (("eps_value", "norm_weight_offset"), (int, float, torch.SymFloat)),
-        "a bool": (("interleaved", "norm_weight_in_float32", "check_positions"), bool),
+        "a bool": (("interleaved", "norm_weight_in_float32", "norm_round_before_rope", "check_positions"), bool),
     }
     for expected, (names, types) in kinds.items():
         for name in names:
@@ -509,6 +526,7 @@ def fused_norm_rope_stacked(
     check_positions: bool = True,
     norm_weight_offset: float = 0.0,
     norm_weight_in_float32: bool = False,
+    norm_round_before_rope: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm + RoPE of K and a copy of V for every layer of a stacked K/V projection.
 
@@ -522,6 +540,9 @@ def fused_norm_rope_stacked(
     `interleaved=True` rotates GPT-J pairs instead of halves. The norm multiplies by
     (norm_weight_offset + k_norm_weight), Gemma's `1 + weight` with 1.0, and rounds to kv's dtype twice
     (Hugging Face Llama/Qwen3) or, with `norm_weight_in_float32=True`, once (SGLang's native RMSNorm, Gemma).
+    Either way the normalised K is rounded before RoPE; `norm_round_before_rope=False` (with
+    `norm_weight_in_float32=True`) keeps it in float32 through RoPE and rounds only the result (SGLang's
+    reference math for the stacked layout).
     Positions outside the cache raise a ValueError in eager calls (one host sync; `check_positions=False`
     skips it); inside torch.compile, export or CUDA-graph capture, and for meta tensors, nothing syncs and
     the kernel clamps positions into the cache. Arguments of the wrong Python type raise a TypeError.
@@ -531,6 +552,7 @@ def fused_norm_rope_stacked(
         num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, k_out=k_out, v_out=v_out,
         interleaved=interleaved, eps_value=eps_value, check_positions=check_positions,
         norm_weight_offset=norm_weight_offset, norm_weight_in_float32=norm_weight_in_float32,
+        norm_round_before_rope=norm_round_before_rope,
     )
     check_stacked_kv_rank(kv)
     total_ctx, n_layers, _ = kv.shape
@@ -543,7 +565,7 @@ def fused_norm_rope_stacked(
     weights = [] if k_norm_weight is None else [k_norm_weight]
     common = (
         k_proj, weights, eps, eps_value, cos_sin_cache, None, positions, num_kv_heads, head_dim, rotary_dim,
-        interleaved, norm_weight_offset, norm_weight_in_float32,
+        interleaved, norm_weight_offset, norm_weight_in_float32, norm_round_before_rope,
     )  # fmt: skip
     if check_positions and _host_sync_allowed(positions):
         _validate(common, v_proj, k_out, v_out)  # shapes first, then the range check that syncs

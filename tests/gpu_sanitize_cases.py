@@ -31,6 +31,8 @@ CASES = {
     "one-token-one-layer-one-head": Case(total_ctx=1, n_layers=1, num_kv_heads=1, head_dim=128),
     "many-rows-partial-tile": Case(total_ctx=333, num_kv_heads=8, head_dim=128, n_layers=5),
     "gemma-norm-partial-rotary": Case(head_dim=80, rotary_dim=32, norm_weight_offset=1.0, norm_weight_in_float32=True),
+    "round-once-partial-rotary-interleaved": Case(head_dim=80, rotary_dim=48, interleaved=True,
+                                                  norm_weight_in_float32=True, norm_round_before_rope=False),
 }
 
 

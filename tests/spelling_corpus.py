@@ -90,17 +90,19 @@ def _cos_sin_cache(rotary_dim: int, base: float = 10000.0) -> torch.Tensor:
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
+# The attention sizes every Hugging Face config in the corpus shares.
+_HF_SIZES = dict(
+    hidden_size=HIDDEN,
+    num_attention_heads=4,
+    num_key_value_heads=KV_HEADS,
+    head_dim=HEAD_DIM,
+    max_position_embeddings=MAX_POS,
+    rms_norm_eps=EPS,
+)
+
+
 def _qwen3_config(**overrides) -> Qwen3Config:
-    config = dict(
-        hidden_size=HIDDEN,
-        num_attention_heads=4,
-        num_key_value_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        max_position_embeddings=MAX_POS,
-        rms_norm_eps=EPS,
-    )
-    config.update(overrides)
-    return Qwen3Config(**config)
+    return Qwen3Config(**{**_HF_SIZES, **overrides})
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -799,12 +801,7 @@ class Gemma3Context(nn.Module):
     def __init__(self):
         super().__init__()
         config = Gemma3TextConfig(
-            hidden_size=HIDDEN,
-            num_attention_heads=4,
-            num_key_value_heads=KV_HEADS,
-            head_dim=HEAD_DIM,
-            max_position_embeddings=MAX_POS,
-            rms_norm_eps=EPS,
+            **_HF_SIZES,
             num_hidden_layers=N_LAYERS,
             layer_types=["full_attention"] * N_LAYERS,
         )
@@ -1183,8 +1180,6 @@ NOT_YET: dict[str, str] = {
     "sglang_dflash_kv_proj_only_bias": r"(weight|bias) is computed in the graph",
     "modded_nanogpt": r"weight is computed in the graph",
     "llama_complex_freqs_cis": r"no rotary embedding",  # complex multiply
-    "sglang_stacked_kv": r"weighted K has 2 users",  # bfloat16: K kept in float32 from norm through RoPE
-    "stack_of_cats": r"no rotary embedding",  # torch.stack of per-layer cat([k, v])
     "zlab_dflash_ctx_noise_cat": r"no rotary embedding",  # context and noise K concatenated before norm
 }
 ALL_CASES: list[Case] = CASES + NEGATIVE_CASES

@@ -63,6 +63,7 @@ class Case:
     edge_positions: bool = False  # positions alternate 0 and max_pos - 1
     norm_weight_offset: float = 0.0  # 1.0: Gemma's (1 + weight)
     norm_weight_in_float32: bool = False  # True: one rounding (SGLang native, Gemma); False: two (Llama, Qwen3)
+    norm_round_before_rope: bool = True  # False (with norm_weight_in_float32): float32 through RoPE, one rounding
 
     @property
     def rot(self) -> int:
@@ -93,7 +94,7 @@ class Inputs:
         return (
             self.k_proj(case), self.k_norm_weight, self.eps, self.eps_value, self.cos, self.sin, self.positions,
             case.num_kv_heads, case.head_dim, case.rot, case.interleaved, case.norm_weight_offset,
-            case.norm_weight_in_float32,
+            case.norm_weight_in_float32, case.norm_round_before_rope,
         )
 
 
@@ -186,9 +187,11 @@ def reference(case: Case, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
             normed = k / torch.sqrt(k.pow(2).mean(-1, keepdim=True) + eps)
             if not case.norm_weight_in_float32:
                 normed = rounded(normed)
-            k = rounded(normed * (weights[layer] + case.norm_weight_offset))
+            k = normed * (weights[layer] + case.norm_weight_offset)
+            if case.norm_round_before_rope:
+                k = rounded(k)
         rot = k[..., :r] * cos[:, None, :] + sign * k[..., partner] * sin[:, None, :]
-        k_out[layer] = torch.cat([rounded(rot), k[..., r:]], dim=-1)
+        k_out[layer] = rounded(torch.cat([rot, k[..., r:]], dim=-1))
     v_out = inputs.v_proj(case).double().cpu().reshape(T, L, H, D).transpose(0, 1)
     return k_out, v_out
 
@@ -265,6 +268,7 @@ def check_all_variants(case: Case, inputs: Inputs) -> None:
             inputs.kv, norm_weight, inputs.eps, inputs.cos, inputs.positions,
             case.num_kv_heads, case.head_dim, case.rot, interleaved=case.interleaved, **eps_kwargs,
             norm_weight_offset=case.norm_weight_offset, norm_weight_in_float32=case.norm_weight_in_float32,
+            norm_round_before_rope=case.norm_round_before_rope,
         )
         torch.testing.assert_close(drop_k, k_out, rtol=0, atol=0)
         assert torch.equal(drop_v, v_out)
@@ -308,6 +312,20 @@ CASES = {
     "fp16-offset-two-roundings": Case(dtype=torch.float16, norm_weight_offset=1.0, eps_tensor=False),
     "bf16-offset-interleaved-partial-rotary": Case(norm_weight_offset=0.5, interleaved=True, rotary_dim=32),
     "bf16-no-norm-options-unused": Case(norm=None, norm_weight_offset=1.0, norm_weight_in_float32=True),
+    # norm_round_before_rope=False: float32 through RoPE, one rounding at the end (SGLang's stacked reference)
+    "bf16-round-once-neox-cache": Case(norm_weight_in_float32=True, norm_round_before_rope=False),
+    "fp16-round-once-interleaved-gemma": Case(dtype=torch.float16, interleaved=True, norm_weight_offset=1.0,
+                                              norm_weight_in_float32=True, norm_round_before_rope=False),
+    "fp32-round-once-partial-rotary": Case(dtype=torch.float32, head_dim=80, rotary_dim=32,
+                                           norm_weight_in_float32=True, norm_round_before_rope=False),
+    "bf16-round-once-partial-rotary-interleaved-per-token": Case(head_dim=80, rotary_dim=48, interleaved=True,
+                                                                 rope="per_token", norm="per_layer",
+                                                                 norm_weight_in_float32=True,
+                                                                 norm_round_before_rope=False),
+    "fp16-round-once-partial-rotary-neox": Case(dtype=torch.float16, head_dim=128, rotary_dim=64, num_kv_heads=1,
+                                                eps_tensor=False, norm_weight_in_float32=True,
+                                                norm_round_before_rope=False),
+    "bf16-no-norm-round-once-unused": Case(norm=None, norm_weight_in_float32=True, norm_round_before_rope=False),
 }
 
 
@@ -440,7 +458,7 @@ def test_empty_context(device: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------
-# K-norm options: norm_weight_offset and norm_weight_in_float32
+# K-norm options: norm_weight_offset, norm_weight_in_float32 and norm_round_before_rope
 # --------------------------------------------------------------------------------------------------------
 
 
@@ -473,6 +491,89 @@ def test_norm_options_unused_without_norm(device: str) -> None:
     plain = OPS.materialize_k(*inputs.common(case))
     with_options = dataclasses.replace(case, norm_weight_offset=1.0, norm_weight_in_float32=True)
     torch.testing.assert_close(OPS.materialize_k(*inputs.common(with_options)), plain, rtol=0, atol=0)
+    round_once = dataclasses.replace(with_options, norm_round_before_rope=False)
+    torch.testing.assert_close(OPS.materialize_k(*inputs.common(round_once)), plain, rtol=0, atol=0)
+
+
+# norm_round_before_rope=False: k_out = round(rope(x * inv_rms * w)), float32 throughout
+
+
+def _round_point_cases(dtype: torch.dtype, **kwargs) -> tuple[Case, Case]:
+    """(rounds before RoPE, rounds once at the end), both with the weight applied in float32."""
+    before = Case(dtype=dtype, norm_weight_in_float32=True, **kwargs)
+    return before, dataclasses.replace(before, norm_round_before_rope=False)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_round_before_rope_point(dtype: torch.dtype, interleaved: bool, device: str) -> None:
+    """float32 outputs: rounding the normalised K to float32 is a no-op, so the option changes nothing
+    (bit-exact). bf16/fp16: it changes many rotated elements on random inputs, and never a dim past
+    rotary_dim (not rotated: rounded once either way)."""
+    before, once = _round_point_cases(dtype, head_dim=80, rotary_dim=48, interleaved=interleaved)
+    inputs = make_inputs(before, device)  # the same tensors for both cases
+    with poisoned_allocations():
+        k_before, k_once = (OPS.materialize_k(*inputs.common(case)) for case in (before, once))
+    assert torch.isfinite(k_before).all() and torch.isfinite(k_once).all()
+    torch.testing.assert_close(k_once[..., 48:], k_before[..., 48:], rtol=0, atol=0)
+    if dtype == torch.float32:
+        torch.testing.assert_close(k_once, k_before, rtol=0, atol=0)
+    else:
+        assert (k_once[..., :48] != k_before[..., :48]).float().mean() > 0.05
+
+
+def test_round_before_rope_unchanged_by_identity_rotation(device: str) -> None:
+    """cos = 1, sin = 0 (angle 0): x * 1 + partner * 0 == x in float32, so rounding before or after RoPE
+    gives the same bits, whatever the dtype."""
+    before, once = _round_point_cases(torch.bfloat16)
+    inputs = make_inputs(before, device)
+    half = before.rot // 2
+    identity = torch.cat([torch.ones(4, half), torch.zeros(4, half)], dim=-1).to(device)
+    inputs = dataclasses.replace(inputs, cos=identity, positions=inputs.positions % 4)
+    k_before, k_once = (OPS.materialize_k(*inputs.common(case)) for case in (before, once))
+    torch.testing.assert_close(k_once, k_before, rtol=0, atol=0)
+    assert_close_to_reference(k_once, reference(once, inputs)[0], once.dtype)
+
+
+def _to_dtype_as_backend(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x (float32) converted to `dtype` the way the running backend converts (the interpreter truncates bf16)."""
+    if _interpreter_truncates(x.to(dtype)):
+        x = (x.view(torch.int32) & -65536).view(torch.float32)  # drop the low 16 bits: exact in bf16
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_round_once_equals_float32_result_rounded(dtype: torch.dtype, device: str) -> None:
+    """Rounding once at the end is the float32 op on the same (upcast) inputs, rounded: bit-exact on CPU
+    (on CUDA the float32 specialization may contract multiply-adds differently: within an ulp)."""
+    _, once = _round_point_cases(dtype, rotary_dim=32, interleaved=True)
+    inputs = make_inputs(once, device)
+    with poisoned_allocations():
+        k_once = OPS.materialize_k(*inputs.common(once))
+    fp32_case = dataclasses.replace(once, dtype=torch.float32)
+    fp32_inputs = dataclasses.replace(inputs, kv=inputs.kv.float())  # same weights, eps and tables
+    expected = _to_dtype_as_backend(OPS.materialize_k(*fp32_inputs.common(fp32_case)), dtype)
+    if device == "cuda":
+        assert_close_to_reference(k_once, expected.double(), dtype)
+    else:
+        torch.testing.assert_close(k_once, expected, rtol=0, atol=0)
+
+
+def test_round_once_needs_weight_in_float32() -> None:
+    message = (
+        "Invalid K-norm rounding options for fused KV materialization: norm_round_before_rope=False (keep "
+        "the normalised K in float32 through RoPE) needs norm_weight_in_float32=True, got "
+        "norm_weight_in_float32=False."
+    )
+    case = Case(norm_round_before_rope=False)
+    inputs = make_inputs(case)
+    for op, extra in ((OPS.materialize_k, ()), (OPS.materialize_kv, (inputs.v_proj(case),))):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            op(*inputs.common(case), *extra)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fused_norm_rope_stacked(**drop_in_args(norm_round_before_rope=False))
+    with pytest.raises(ValueError, match=re.escape(message)):  # also without a norm: the flags alone decide
+        fused_norm_rope_stacked(**drop_in_args(k_norm_weight=None, norm_round_before_rope=False))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -498,7 +599,8 @@ def cases(draw, max_layers=8, max_heads=16, max_ctx=4):
         kv_layout=draw(st.sampled_from(["contiguous", "wide", "token_stride", "elem_stride"])),
         max_pos=draw(st.integers(1, 16)),
         norm_weight_offset=draw(st.sampled_from([0.0, 1.0])),
-        norm_weight_in_float32=draw(st.booleans()),
+        norm_weight_in_float32=(in_float32 := draw(st.booleans())),
+        norm_round_before_rope=draw(st.booleans()) if in_float32 else True,
     )
 
 
@@ -694,6 +796,7 @@ TYPE_ERRORS = {
     "eps_value-str": (dict(eps_value="1e-6"), "eps_value must be a float, got str '1e-6'."),
     "offset-bool": (dict(norm_weight_offset=True), "norm_weight_offset must be a float, got bool True."),
     "in-float32-none": (dict(norm_weight_in_float32=None), "norm_weight_in_float32 must be a bool, got NoneType None."),
+    "round-before-rope-int": (dict(norm_round_before_rope=0), "norm_round_before_rope must be a bool, got int 0."),
     "check_positions-int": (dict(check_positions=0), "check_positions must be a bool, got int 0."),
 }
 
@@ -840,12 +943,17 @@ OP_ERRORS = {
         lambda inputs, case: {"norm_weight_offset": math.inf},
         "Invalid norm_weight_offset for fused KV materialization: got inf, expected a finite float.",
     ),
+    "round-once-without-weight-in-float32": (
+        lambda inputs, case: {"norm_round_before_rope": False},
+        "Invalid K-norm rounding options for fused KV materialization: norm_round_before_rope=False",
+    ),
 }
 
 
 def _op_call_args(inputs: Inputs, case: Case, change) -> tuple:
     names = ["k_proj", "k_norm_weight", "eps", "eps_value", "cos", "sin", "positions", "num_kv_heads",
-             "head_dim", "rotary_dim", "interleaved", "norm_weight_offset", "norm_weight_in_float32", "v_proj"]
+             "head_dim", "rotary_dim", "interleaved", "norm_weight_offset", "norm_weight_in_float32",
+             "norm_round_before_rope", "v_proj"]
     args = dict(zip(names, (*inputs.common(case), inputs.v_proj(case))))
     args.update(change(inputs, case))
     return tuple(args[name] for name in names)
@@ -860,7 +968,10 @@ def test_op_errors(name: str) -> None:
         OPS.materialize_kv(*args)
 
 
-@pytest.mark.parametrize("name", ["v_proj-shape", "per-layer-norm-count", "missing-sin", "eps_value-nan"])
+@pytest.mark.parametrize(
+    "name",
+    ["v_proj-shape", "per-layer-norm-count", "missing-sin", "eps_value-nan", "round-once-without-weight-in-float32"],
+)
 def test_op_errors_at_trace_time(name: str) -> None:
     """The fake kernel validates like the real one, so torch.compile fails with the same message."""
     torch._dynamo.reset()
@@ -912,7 +1023,7 @@ def test_compile_shape_guard_at_trace_time() -> None:
     # Calling the op directly, the fake kernel raises the same kind of message while tracing.
     def k_only(k_proj):
         return OPS.materialize_k(
-            k_proj, [], None, 1e-6, inputs.cos, None, inputs.positions, 2, 64, 64, False, 0.0, False
+            k_proj, [], None, 1e-6, inputs.cos, None, inputs.positions, 2, 64, 64, False, 0.0, False, True
         )
 
     op_message = "Invalid stacked fused KV projection shape: got (7, 128), expected 3D"
@@ -948,7 +1059,7 @@ class _DraftKV(torch.nn.Module):
         kv_size = kv.shape[-1] // 2
         return OPS.materialize_kv(
             kv[..., :kv_size], list(self.k_norm), eps, 1e-6, cache, None, positions, 2, 64, 64, False, 0.0, False,
-            kv[..., kv_size:],
+            True, kv[..., kv_size:],
         )
 
 

@@ -30,13 +30,7 @@ FUSED_OP = torch.ops.fx_fusion.materialize_k.default
 STACKED_GEMM = torch.ops.fx_fusion.stacked_linear.default
 
 
-@pytest.fixture(autouse=True)
-def fresh_compile():
-    """A fresh dynamo, and the compile caches off so that the pass really runs (and records)."""
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
-        yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compile")
 
 
 class CountingPass(fx_fusion.FusedKVPass):

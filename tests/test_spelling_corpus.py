@@ -33,13 +33,7 @@ FP32_TOL = 2e-5  # a few spellings (sqrt vs rsqrt, float32 RoPE of a float32 nor
 BF16_REL_TOL = 1e-2
 
 
-@pytest.fixture(autouse=True)
-def fresh_compile():
-    """A fresh dynamo, and the compile caches off so that the pass really runs (and records)."""
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
-        yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compile")
 
 
 def compile_and_run(case, dtype):

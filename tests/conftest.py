@@ -1,0 +1,15 @@
+"""Shared fixtures."""
+
+import pytest
+import torch
+import torch._functorch.config
+import torch._inductor.config
+
+
+@pytest.fixture
+def fresh_compile():
+    """A fresh dynamo, and the compile caches off so that the pass really runs (and records)."""
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+    torch._dynamo.reset()
