@@ -44,7 +44,9 @@ class FusedGroup:
     v_as_view: int  # how many V projections now read a view of the stacked GEMM output
     layers: list[str]  # source location of each absorbed layer's K projection
     rotary_matmuls_as_mul: int = 0  # outer-product matmuls of the cos/sin angles computed as multiplies
-    rotary_tables: str = "per-token cos/sin"  # or "cos/sin cache + positions": the op gathers the rows itself
+    # "per-token cos/sin" shared by the layers, "per-layer cos/sin" (each layer its own tables), or "cos/sin
+    # cache + positions" (the op gathers the rows itself)
+    rotary_tables: str = "per-token cos/sin"
 
     def describe(self) -> str:
         return (

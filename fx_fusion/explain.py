@@ -101,7 +101,7 @@ class FusionReport:
         lines = [self.summary()]
         if self.fused_groups:
             lines += ["", "Fused groups:"]
-            header = ["#", "layers", "heads x dim", "rotary", "k_norm", "bias", "V as view", "absorbed layers"]
+            header = ["#", "layers", "heads x dim", "rotary", "cos/sin", "k_norm", "bias", "V as view", "absorbed layers"]
             rows = []
             for i, g in enumerate(self.fused_groups):
                 layers = [_short_location(loc) for loc in g.layers] or ["-"]
@@ -111,13 +111,14 @@ class FusionReport:
                         str(g.n_layers),
                         f"{g.num_kv_heads} x {g.head_dim}",
                         f"{g.rotary_dim} {g.rotary_style}",
+                        g.rotary_tables,
                         "yes" if g.k_norm else "no",
                         "yes" if g.bias else "no",
                         str(g.v_as_view),
                         layers[0],
                     ]
                 )
-                rows += [[""] * 7 + [loc] for loc in layers[1:]]
+                rows += [[""] * (len(header) - 1) + [loc] for loc in layers[1:]]
             lines += _table(header, rows)
         if self.rejected:
             lines += ["", "Rejected candidates:"]

@@ -153,8 +153,7 @@ def _group_key(branch: KBranch, same_value: ValueKeys) -> tuple:
         ("head_dim", branch.heads.head_dim),
         ("rotary_dim", rotary.rotary_dim),
         ("rotary style", "interleaved" if rotary.interleaved else "neox"),
-        ("cos", (same_value(rotary.cos.node), rotary.cos.mode)),
-        ("sin", (same_value(rotary.sin.node), rotary.sin.mode)),
+        ("cos/sin table layout", (rotary.cos.mode, rotary.sin.mode)),
         ("k_norm", norm is not None),
         ("eps", eps),
         ("norm weight offset", norm.weight_offset if norm else None),
@@ -162,6 +161,7 @@ def _group_key(branch: KBranch, same_value: ValueKeys) -> tuple:
         ("bias", bool(proj.biases)),
         ("projection width", proj.layer_width),
         ("K column in projection", branch.source.col_start),
+        ("K head stride", branch.source.head_stride),
         ("stacked projection", proj.node if proj.n_layers > 1 else None),
     )
 
@@ -264,7 +264,7 @@ def fuse_kv_groups(graph: torch.fx.Graph, min_layers: int = 2) -> PassRecord:
                 and not p.weight_transposed
             ]
             try:
-                group = _rewrite_group(graph, fake_mode, members, extra, record)
+                group = _rewrite_group(graph, fake_mode, members, extra, record, same_value)
             except Exception as error:  # never fail a compile: leave the group as it was, say why
                 reason = str(error) if isinstance(error, NoMatch) else f"could not be fused ({type(error).__name__}: {error})"
                 logger.debug("fx_fusion: group left alone", exc_info=True)
@@ -432,7 +432,35 @@ def _depends_on(inputs: list[torch.fx.Node], forbidden: set) -> bool:
     return False
 
 
-def _rewrite_group(graph, fake_mode, branches: list[KBranch], extra: list[Projection], record) -> FusedGroup:
+def _shared_rotary_tables(branches: list[KBranch], same_value: ValueKeys):
+    """("cache", (cache, positions)) when every layer gathers its cos/sin from the same cache rows,
+    ("shared", None) when every layer reads the same cos/sin values, else ("per layer", None)."""
+    found = [_cache_and_positions(b) for b in branches]
+    if found[0] is not None and all(f is not None and same_value(f) == same_value(found[0]) for f in found):
+        return "cache", found[0]
+    tables = {(same_value(b.rotary.cos.node), same_value(b.rotary.sin.node)) for b in branches}
+    return ("shared" if len(tables) == 1 else "per layer"), None
+
+
+def _rotary_tables(builder: _GraphBuilder, branches: list[KBranch], hidden: torch.fx.Node, sizes: dict, shared: bool):
+    """Per-token (cos, sin) [tokens, rotary_dim] shared by the group, or [n_layers, tokens, rotary_dim]."""
+    per_branch = []
+    for branch in branches if not shared else branches[:1]:
+        pair = []
+        for table in (branch.rotary.cos, branch.rotary.sin):
+            node = _per_token_rotary_table(builder, table, branch, hidden, sizes[table.node])
+            if not shared:  # one [1 or n_layers, tokens, rotary_dim] block per branch
+                node = builder.call(aten.unsqueeze.default, node, 0)
+                if branch.n_layers > 1:
+                    node = builder.call(aten.expand.default, node, [branch.n_layers, -1, -1])
+            pair.append(node)
+        per_branch.append(pair)
+    if shared:
+        return per_branch[0]
+    return tuple(builder.call(aten.cat.default, [pair[i] for pair in per_branch]) for i in (0, 1))
+
+
+def _rewrite_group(graph, fake_mode, branches: list[KBranch], extra: list[Projection], record, same_value) -> FusedGroup:
     branches = sorted(branches, key=lambda b: list(graph.nodes).index(b.projection.node))
     first = branches[0]
     projections: list[Projection] = []
@@ -456,27 +484,35 @@ def _rewrite_group(graph, fake_mode, branches: list[KBranch], extra: list[Projec
     n_layers = len(k_columns)
     step = k_columns[1] - k_columns[0] if n_layers > 1 else first.projection.layer_width
     block_start = k_columns[0] - col_start
+    num_heads, head_dim = first.heads.num_heads, first.heads.head_dim
+    head_stride = first.source.head_stride or head_dim
     if (
         any(c != k_columns[0] + i * step for i, c in enumerate(k_columns))
-        or col_start + features > step
+        or col_start + (num_heads - 1) * head_stride + head_dim > step
         or block_start + n_layers * step > column
+        or step % head_stride
     ):
         raise NoMatch("K columns of the stacked projection are not evenly spaced")
 
     x2d = min((p.x2d for p in projections), key=lambda n: list(graph.nodes).index(n))
     norm_weights = [b.norm.weight for b in branches] if first.norm else []
     eps_nodes = [b.norm.eps for b in branches for _ in range(b.n_layers) if first.norm and isinstance(b.norm.eps, torch.fx.Node)]
-    cache_positions = _cache_and_positions(first)
-    cos_table, sin_table = cache_positions or (first.rotary.cos.node, first.rotary.sin.node)
-    inputs = [x2d, cos_table, sin_table, *norm_weights, *eps_nodes]
+    table_kind, cache_positions = _shared_rotary_tables(branches, same_value)
+    if cache_positions is not None:
+        tables = list(cache_positions)
+    else:
+        tables = list({t.node: None for b in branches for t in (b.rotary.cos, b.rotary.sin)})
+    inputs = [x2d, *tables, *norm_weights, *eps_nodes]
     inputs += [w for p in projections for w in p.weights + p.biases]
     replaced = {p.node for p in projections} | {b.output for b in branches}
-    if _depends_on([x2d, cos_table, sin_table, *eps_nodes], replaced):
+    if _depends_on([x2d, *tables, *eps_nodes], replaced):
         raise NoMatch("the group's inputs depend on its own outputs")
     hidden = kv_patterns.base_of(x2d)
+    table_sizes = {}
     if cache_positions is None:
-        cos_sizes = _rotary_table_sizes(cos_table, first, hidden)
-        sin_sizes = _rotary_table_sizes(sin_table, first, hidden)
+        for branch in branches:
+            for table in (branch.rotary.cos, branch.rotary.sin):
+                table_sizes[table.node] = _rotary_table_sizes(table.node, branch, hidden)
     before = _region_text(graph, projections, branches)
 
     builder = _GraphBuilder(graph, fake_mode)
@@ -487,7 +523,14 @@ def _rewrite_group(graph, fake_mode, branches: list[KBranch], extra: list[Projec
             proj = builder.call(torch.ops.fx_fusion.stacked_linear.default, x2d, weights, biases)
             k_block = builder.call(aten.slice.Tensor, proj, 1, block_start, block_start + n_layers * step)
             k_block = builder.call(aten.view.default, k_block, [-1, n_layers, step])
-            k_proj = builder.call(aten.slice.Tensor, k_block, 2, col_start, col_start + features)
+            if head_stride == head_dim:  # [tokens, n_layers, kv_size]
+                k_proj = builder.call(aten.slice.Tensor, k_block, 2, col_start, col_start + features)
+            else:  # heads apart from each other: [tokens, n_layers, num_heads, head_dim], strided
+                k_proj = builder.call(aten.view.default, k_block, [-1, n_layers, step // head_stride, head_stride])
+                first_head = col_start // head_stride
+                k_proj = builder.call(aten.slice.Tensor, k_proj, 2, first_head, first_head + num_heads)
+                within = col_start % head_stride
+                k_proj = builder.call(aten.slice.Tensor, k_proj, 3, within, within + head_dim)
             eps_value, eps_tensor = 0.0, None
             if first.norm is not None:
                 if eps_nodes:  # eps arrives as a tensor (dynamic floats): gather one per layer
@@ -502,8 +545,7 @@ def _rewrite_group(graph, fake_mode, branches: list[KBranch], extra: list[Projec
                 cos, sin = cache_positions[0], None
                 positions = builder.call(aten.reshape.default, cache_positions[1], [-1])
             else:
-                cos = _per_token_rotary_table(builder, first.rotary.cos, first, hidden, cos_sizes)
-                sin = _per_token_rotary_table(builder, first.rotary.sin, first, hidden, sin_sizes)
+                cos, sin = _rotary_tables(builder, branches, hidden, table_sizes, shared=table_kind == "shared")
                 positions = None
             k_all = builder.call(
                 torch.ops.fx_fusion.materialize_k.default,
@@ -531,8 +573,9 @@ def _rewrite_group(graph, fake_mode, branches: list[KBranch], extra: list[Projec
                     k_branch = builder.call(aten.permute.default, k_branch, [1, 0, 2, 3])
                 layer += branch.n_layers
                 k_branch = builder.call(aten.reshape.default, k_branch, [-1, branch.n_layers * features])
-                if branch.source.token_shape is not None:
-                    k_branch = builder.call(aten.reshape.default, k_branch, branch.source.token_shape + [features])
+                shape = branch.source.output_shape(features)
+                if shape is not None:
+                    k_branch = builder.call(aten.reshape.default, k_branch, shape)
                 k_branch = builder.replay(branch.layout_before_norm + branch.layout_after_norm, k_branch)
                 new_outputs.append((branch.output, k_branch))
             pieces = []
@@ -544,7 +587,7 @@ def _rewrite_group(graph, fake_mode, branches: list[KBranch], extra: list[Projec
         raise NoMatch(f"could not build the fused replacement ({type(error).__name__}: {error})") from error
     for old, new in new_outputs + pieces:
         old.replace_all_uses_with(new)
-    angles = rotary_angles.outer_products_to_mul(graph, fake_mode, [cos_table, sin_table])
+    angles = rotary_angles.outer_products_to_mul(graph, fake_mode, tables)
     record.graph_before += before
     record.graph_after += "\n".join(n.format_node() for n in angles + builder.created) + "\n"
     return FusedGroup(
@@ -557,7 +600,7 @@ def _rewrite_group(graph, fake_mode, branches: list[KBranch], extra: list[Projec
         bias=bool(first.projection.biases),
         v_as_view=len(projections) - len({b.projection.node for b in branches}),
         rotary_matmuls_as_mul=len(angles),
-        rotary_tables="cos/sin cache + positions" if cache_positions is not None else "per-token cos/sin",
+        rotary_tables={"cache": "cos/sin cache + positions", "shared": "per-token cos/sin", "per layer": "per-layer cos/sin"}[table_kind],
         layers=[node_location(b.projection.node) for b in branches],
     )
 

@@ -478,16 +478,17 @@ def head_layout(index: torch.Tensor, source: "BranchSource", row_width: int, lay
     tokens = torch.div(index, row_width, rounding_mode="floor")
     within_row = index % row_width
     layers = torch.div(within_row, layer_width, rounding_mode="floor")
-    feature = within_row % layer_width - source.col_start
+    head_stride = source.head_stride or head_dim
+    column = within_row % layer_width - source.col_start  # head h, dim d: h * head_stride + d
     last = index.shape[-1]
     if last != head_dim or features % head_dim:
         raise NoMatch(f"normalised/rotated over {last} features, not per head ({head_dim})")
-    if (feature < 0).any() or (feature >= features).any():
-        raise NoMatch("K branch reads outside its projection columns")
-    if not bool((feature % head_dim == torch.arange(head_dim)).all()):
-        raise NoMatch(f"last dim is not one head's {head_dim} consecutive features")
-    heads = torch.div(feature, head_dim, rounding_mode="floor")
     num_heads = features // head_dim
+    heads = torch.div(column, head_stride, rounding_mode="floor")
+    if (column < 0).any() or (heads >= num_heads).any():
+        raise NoMatch("K branch reads outside its projection columns")
+    if not bool((column % head_stride == torch.arange(head_dim)).all()):
+        raise NoMatch(f"last dim is not one head's {head_dim} consecutive features")
     layer_axis = _enumerating_axis(layers, n_layers)
     head_axis = _enumerating_axis(heads, num_heads, exclude=(layer_axis,))
     if head_axis is None:  # a single head: any size-1 axis that carries no tokens or layers serves
@@ -587,8 +588,9 @@ def _rotation_after(start: torch.fx.Node, required: bool):
 
 def match_k_branch(projection: Projection, source: "BranchSource") -> KBranch:
     """Match source -> layout -> [RMSNorm] -> layout -> rotary. Raises NoMatch with a reason."""
-    col_start = source.col_start
     features = static_shape(source.node)[-1]
+    if source.group_view is not None:
+        features *= static_shape(source.group_view)[-2]
     layout_before, node = follow_layout(source.node)
     norm = None
     if starts_norm(node):
@@ -612,7 +614,7 @@ def match_k_branch(projection: Projection, source: "BranchSource") -> KBranch:
 
     with unset_fake_temporarily():  # the index simulation runs on real tensors, also inside a traced pass
         index = torch.arange(rows * row_width, dtype=torch.int64).view(rows, row_width)
-        index = replay(source.prefix, index)[..., col_start : col_start + features]
+        index = source.index(index, features)
         at_norm = replay(layout_before, index)
         if norm is not None:
             _check_norm_input(at_norm, layout_at, norm, projection.n_layers, features, head_dim)
@@ -622,16 +624,37 @@ def match_k_branch(projection: Projection, source: "BranchSource") -> KBranch:
 
 @dataclasses.dataclass
 class BranchSource:
-    """The [..., kv_size] tensor a K branch starts from: a projection, or a column slice of a fused one."""
+    """The tensor a K branch starts from: a projection, or columns cut from a fused one.
+
+    Plain: [..., kv_size], projection columns col_start .. col_start + kv_size. Grouped (`group_view`
+    set: a qkv projection laid out per query group, `qkv.view(..., groups, group_width)` then cut, as
+    Megatron-LM and litgpt do): [..., groups, head_dim], head g at columns g * group_width + col_start.
+    """
 
     node: torch.fx.Node
-    col_start: int  # first projection column it holds
-    prefix: list[torch.fx.Node]  # reshapes between the mm and the sliced tensor (they keep the last dim)
+    col_start: int  # first projection column it holds (within a group, when grouped)
+    prefix: list[torch.fx.Node]  # reshapes between the mm and the cut (they keep the last dim)
+    group_view: Optional[torch.fx.Node] = None
 
     @property
-    def token_shape(self) -> Optional[list]:
-        """Leading shape args of the sliced tensor, when the slice was taken after a reshape of the mm."""
-        return list(self.prefix[-1].args[1][:-1]) if self.prefix else None
+    def head_stride(self) -> Optional[int]:
+        """Columns between consecutive heads when they are not adjacent (grouped), else None."""
+        return static_shape(self.group_view)[-1] if self.group_view is not None else None
+
+    def output_shape(self, features: int) -> Optional[list]:
+        """Shape args that lay one layer's K [tokens * features] out as this source, or None when the
+        source is the projection itself ([tokens, features])."""
+        if self.group_view is not None:
+            return list(self.group_view.args[1][:-1]) + [static_shape(self.node)[-1]]
+        return list(self.prefix[-1].args[1][:-1]) + [features] if self.prefix else None
+
+    def index(self, index: torch.Tensor, features: int) -> torch.Tensor:
+        """The projection's flat element index laid out as this source."""
+        index = replay(self.prefix, index)
+        if self.group_view is not None:
+            width = static_shape(self.node)[-1]
+            return replay([self.group_view], index)[..., self.col_start : self.col_start + width]
+        return index[..., self.col_start : self.col_start + features]
 
 
 def whole(projection: Projection) -> BranchSource:
@@ -666,9 +689,28 @@ def branch_sources(projection: Projection) -> list[BranchSource]:
         prefix.append(user)
         node = user
     slices = _column_slices(node, len(val(node).shape), width, 0)
-    if not slices:
-        return [whole(projection)]
-    return [BranchSource(sliced, col_start, prefix) for sliced, col_start in slices]
+    if slices:
+        return [BranchSource(sliced, col_start, prefix) for sliced, col_start in slices]
+    grouped = _group_view_cuts(node, width)
+    if grouped:
+        group_view, cuts = grouped
+        return [BranchSource(piece, start, prefix, group_view) for piece, start in cuts]
+    return [whole(projection)]
+
+
+def _group_view_cuts(node: torch.fx.Node, width: int) -> Optional[tuple[torch.fx.Node, list]]:
+    """(view, [(piece, first column in the group)]) when `node`'s only use views its last dim as
+    [groups, group_width] and cuts each group into column ranges (q heads, k head, v head)."""
+    if len(node.users) != 1:
+        return None
+    (view,) = node.users
+    if not is_call(view, aten.view.default, aten.reshape.default):
+        return None
+    shape = static_shape(view)
+    if len(shape) != len(static_shape(node)) + 1 or shape[-2] * shape[-1] != width or shape[-2] < 2:
+        return None
+    cuts = _column_slices(view, len(shape), shape[-1], 0)
+    return (view, cuts) if cuts else None
 
 
 def _column_ranges(user: torch.fx.Node, node: torch.fx.Node, rank: int, width: int) -> Optional[list]:

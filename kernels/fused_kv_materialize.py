@@ -6,18 +6,25 @@ layer sit side by side:
     k_proj: [total_ctx, n_layers, num_kv_heads * head_dim]   (any strides, e.g. kv[..., :kv_size])
     v_proj: [total_ctx, n_layers, num_kv_heads * head_dim]   (any strides, e.g. kv[..., kv_size:])
 
-and the attention cache wants, per layer, head-major tensors:
+or, with the heads as a dimension of their own (any strides: heads need not be adjacent, e.g. the K heads
+of a QKV projection laid out per query group, `qkv.view(T, L, groups, q_per_group + 2, D)[:, :, :, q_per_group]`):
+
+    k_proj, v_proj: [total_ctx, n_layers, num_kv_heads, head_dim]   (v_proj always shaped like k_proj)
+
+The 3-D form is read as its 4-D view `proj.unflatten(-1, (num_kv_heads, head_dim))` (head stride = head_dim
+element strides). The attention cache wants, per layer, head-major tensors:
 
     k_out, v_out: [n_layers, total_ctx, num_kv_heads, head_dim]   (kv's dtype; any strides)
 
-For every layer l, token t and head h, with k = k_proj[t, l, h*D:(h+1)*D] in float32:
+For every layer l, token t and head h, with k = k_proj[t, l, h, :] (k_proj[t, l, h*D:(h+1)*D] in the 3-D
+form) in float32:
 
     n = round(round(k * rsqrt(mean(k^2) + eps[l])) * w)     (norm_weight_in_float32=False; skipped without a K norm)
     n = round(k * rsqrt(mean(k^2) + eps[l]) * w)            (norm_weight_in_float32=True)
     n = k * rsqrt(mean(k^2) + eps[l]) * w                   (norm_weight_in_float32=True, norm_round_before_rope=False)
     k_out[l, t, h, i] = round(n[i] * c[i] + sign(i) * n[partner(i)] * s[i])    for i < rotary_dim
     k_out[l, t, h, i] = round(n[i])                                             for i >= rotary_dim
-    v_out[l, t, h, :] = v_proj[t, l, h*D:(h+1)*D]
+    v_out[l, t, h, :] = v_proj[t, l, h, :]
 
 where w = weight[l] + norm_weight_offset in float32 and round() rounds to the output dtype. The first form
 reproduces Hugging Face's Llama/Qwen3 RMSNorm, `weight * hidden.to(input_dtype)` (two roundings); the second
@@ -28,10 +35,13 @@ rounds once at the very end (SGLang's reference math for the stacked layout). Wi
     neox ("rotate half"):  partner(i) = i + r/2, sign -1 for i < r/2;  partner(i) = i - r/2, sign +1 after
     interleaved (GPT-J):   partner(i) = i ^ 1, sign -1 for even i.
 
-The cos/sin come either per token, `cos[t, i]`, `sin[t, i]` (`cos`, `sin`: [total_ctx, rotary_dim], Hugging
-Face layout), or from a cache indexed by `positions[t]` (`cos_sin_cache`: [max_pos, rotary_dim], cos in the
-first half, sin in the second; frequency j = i % (r/2) for neox and i // 2 for interleaved). Positions are
-clamped into [0, max_pos - 1], so the kernel never reads outside the cache.
+The cos/sin come either per token, `c[i] = cos[t, i]`, `s[i] = sin[t, i]` (`cos`, `sin`: [total_ctx,
+rotary_dim], Hugging Face layout, shared by every layer), per token and layer, `c[i] = cos[l, t, i]`,
+`s[i] = sin[l, t, i]` (`cos`, `sin`: [n_layers, total_ctx, rotary_dim], one table per layer; the kernel reads
+a shared table as one with layer stride 0), or from a cache indexed by `positions[t]` (`cos_sin_cache`:
+[max_pos, rotary_dim], shared by every layer, cos in the first half, sin in the second; frequency
+j = i % (r/2) for neox and i // 2 for interleaved). Positions are clamped into [0, max_pos - 1], so the
+kernel never reads outside the cache.
 
 This module holds the Triton kernel, its launcher and a plain-PyTorch implementation of the same math
 (used for CPU tensors). Both write into caller-provided outputs and allocate nothing else; argument
@@ -67,9 +77,11 @@ def _fused_kv_materialize_kernel(
     eps_value,
     stride_k_token,
     stride_k_layer,
+    stride_k_head,
     stride_k_elem,
     stride_v_token,
     stride_v_layer,
+    stride_v_head,
     stride_v_elem,
     stride_ko_layer,
     stride_ko_token,
@@ -82,8 +94,10 @@ def _fused_kv_materialize_kernel(
     stride_weight_layer,
     stride_weight_dim,
     stride_eps,
+    stride_cos_layer,
     stride_cos_row,
     stride_cos_dim,
+    stride_sin_layer,
     stride_sin_row,
     stride_sin_dim,
     stride_positions,
@@ -115,7 +129,7 @@ def _fused_kv_materialize_kernel(
     row_mask = rows < num_rows
     tokens = (rows // num_kv_heads).to(tl.int64)
     heads = (rows % num_kv_heads).to(tl.int64)
-    k_rows = tokens * stride_k_token + layer * stride_k_layer + heads * (HEAD_DIM * stride_k_elem)
+    k_rows = tokens * stride_k_token + layer * stride_k_layer + heads * stride_k_head
     k_out_rows = layer * stride_ko_layer + tokens * stride_ko_token + heads * stride_ko_head
 
     # Rotary part. neox: tiles x_a, x_b [BLOCK_ROWS, HALF_PAD] of the two contiguous halves, each element
@@ -183,9 +197,9 @@ def _fused_kv_materialize_kernel(
         cos_row = cos_ptr + positions[:, None] * stride_cos_row
         sin_row = cos_row + HALF * stride_cos_dim
         sin_row_stride = stride_cos_dim
-    else:  # per-token tables: element i uses column i
-        cos_row = cos_ptr + tokens[:, None] * stride_cos_row
-        sin_row = sin_ptr + tokens[:, None] * stride_sin_row
+    else:  # per-token tables (per layer, or shared: layer stride 0): element i uses column i
+        cos_row = cos_ptr + layer * stride_cos_layer + tokens[:, None] * stride_cos_row
+        sin_row = sin_ptr + layer * stride_sin_layer + tokens[:, None] * stride_sin_row
         sin_row_stride = stride_sin_dim
 
     if INTERLEAVED:
@@ -224,7 +238,7 @@ def _fused_kv_materialize_kernel(
     if COPY_V:
         dims = tl.arange(0, HEAD_PAD)
         v_mask = row_mask[:, None] & (dims < HEAD_DIM)[None, :]
-        v_rows = tokens * stride_v_token + layer * stride_v_layer + heads * (HEAD_DIM * stride_v_elem)
+        v_rows = tokens * stride_v_token + layer * stride_v_layer + heads * stride_v_head
         v_out_rows = layer * stride_vo_layer + tokens * stride_vo_token + heads * stride_vo_head
         v = tl.load(v_proj_ptr + v_rows[:, None] + dims[None, :] * stride_v_elem, mask=v_mask)
         tl.store(v_out_ptr + v_out_rows[:, None] + dims[None, :] * stride_vo_dim, v, mask=v_mask)
@@ -252,6 +266,28 @@ def _interpretable_tl_sum():
         yield
     finally:
         tl.sum = compiled_sum
+
+
+def head_strides(proj: torch.Tensor, head_dim: int) -> tuple[int, int, int, int]:
+    """(token, layer, head, element) strides of a projection, [T, L, H, D] or [T, L, H*D].
+
+    The 3-D form is read as its 4-D view `proj.unflatten(-1, (H, D))`: the head stride is D element strides.
+    Computed from the strides without building that view (no per-call view on the launch path).
+    """
+    if proj.dim() == 4:
+        return proj.stride()
+    stride_token, stride_layer, stride_elem = proj.stride()
+    return stride_token, stride_layer, head_dim * stride_elem, stride_elem
+
+
+def as_heads(proj: torch.Tensor, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """A [T, L, H, D] view of a projection given as [T, L, H, D] (returned as is) or [T, L, H*D]."""
+    return proj if proj.dim() == 4 else proj.unflatten(-1, (num_kv_heads, head_dim))
+
+
+def _table_strides(table: torch.Tensor) -> tuple[int, int, int]:
+    """(layer, row, dim) strides of a [rows, r] table (layer stride 0: shared) or a [L, rows, r] one."""
+    return table.stride() if table.dim() == 3 else (0, *table.stride())
 
 
 def default_launch_config(rows_per_layer: int, head_dim: int) -> tuple[int, int]:
@@ -291,15 +327,18 @@ def launch_fused_kv_materialize(
 ) -> None:
     """Run the Triton kernel on validated arguments, writing `k_out` (and `v_out` when `v_proj` is given).
 
-    norm_weight: [n_layers, head_dim] or None (no K norm). eps: [n_layers] or None (use eps_value).
-    positions None: `cos`, `sin` are per-token [total_ctx, rotary_dim]; else `cos` is the cos/sin cache
-    [max_pos, rotary_dim], `positions` [total_ctx] (any stride) and `sin` is ignored. The norm multiplies by
-    norm_weight + norm_weight_offset, rounding once (norm_weight_in_float32) or twice (module docstring), and
-    rounds the normalised K before RoPE unless `norm_round_before_rope` is False (float32 through RoPE; only
-    meaningful with norm_weight_in_float32). `interpret` runs the kernel through Triton's interpreter
-    (CPU tensors). `block_rows` / `num_warps` override the launch heuristic (tuning only).
+    k_proj, v_proj: [total_ctx, n_layers, num_kv_heads, head_dim] or [total_ctx, n_layers, num_kv_heads *
+    head_dim] (v_proj like k_proj, or None), any strides. k_out, v_out: [n_layers, total_ctx, num_kv_heads,
+    head_dim], any strides. norm_weight: [n_layers, head_dim] or None (no K norm). eps: [n_layers] or None
+    (use eps_value). positions None: `cos`, `sin` are per-token tables, [total_ctx, rotary_dim] shared by
+    every layer or [n_layers, total_ctx, rotary_dim] one per layer (both the same rank); else `cos` is the
+    cos/sin cache [max_pos, rotary_dim], `positions` [total_ctx] (any stride) and `sin` is ignored. The norm
+    multiplies by norm_weight + norm_weight_offset, rounding once (norm_weight_in_float32) or twice (module
+    docstring), and rounds the normalised K before RoPE unless `norm_round_before_rope` is False (float32
+    through RoPE; only meaningful with norm_weight_in_float32). `interpret` runs the kernel through Triton's
+    interpreter (CPU tensors). `block_rows` / `num_warps` override the launch heuristic (tuning only).
     """
-    total_ctx, n_layers, _ = k_proj.shape
+    total_ctx, n_layers = k_proj.shape[:2]
     num_rows = total_ctx * num_kv_heads
     if num_rows == 0 or n_layers == 0:
         return
@@ -329,16 +368,16 @@ def launch_fused_kv_materialize(
         positions if use_positions else unused,
         num_rows,
         num_kv_heads,
-        cos.shape[0],
+        cos.shape[0] if use_positions else 0,
         float(eps_value),
-        *k_proj.stride(),
-        *v_proj.stride(),
+        *head_strides(k_proj, head_dim),
+        *head_strides(v_proj, head_dim),
         *k_out.stride(),
         *v_out.stride(),
         *(norm_weight.stride() if norm_weight is not None else (0, 0)),
         eps.stride(0) if eps is not None else 0,
-        *cos.stride(),
-        *sin.stride(),
+        *_table_strides(cos),
+        *_table_strides(sin),
         positions.stride(0) if use_positions else 0,
     )
     meta = dict(
@@ -375,15 +414,20 @@ def _rope_cos_sin(
     rotary_dim: int,
     interleaved: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token float32 (cos, sin), each [total_ctx, rotary_dim], indexed by the element i of a head."""
+    """Float32 (cos, sin), each [total_ctx, 1, 1, rotary_dim] (shared by every layer) or [total_ctx, n_layers,
+    1, rotary_dim] (per-layer tables), indexed by the element i of a head; broadcasts over [T, L, H, r]."""
     if positions is None:
-        return cos.float(), sin.float()
+        if cos.dim() == 3:  # [L, T, r] -> [T, L, 1, r]
+            return cos.float().transpose(0, 1).unsqueeze(2), sin.float().transpose(0, 1).unsqueeze(2)
+        return cos.float()[:, None, None, :], sin.float()[:, None, None, :]
     half = rotary_dim // 2
     rows = cos[positions.long().clamp(0, cos.shape[0] - 1)].float()
     cos_freq, sin_freq = rows[:, :half], rows[:, half:rotary_dim]
     if interleaved:
-        return cos_freq.repeat_interleave(2, dim=-1), sin_freq.repeat_interleave(2, dim=-1)
-    return torch.cat([cos_freq, cos_freq], dim=-1), torch.cat([sin_freq, sin_freq], dim=-1)
+        cos_t, sin_t = cos_freq.repeat_interleave(2, dim=-1), sin_freq.repeat_interleave(2, dim=-1)
+    else:
+        cos_t, sin_t = torch.cat([cos_freq, cos_freq], dim=-1), torch.cat([sin_freq, sin_freq], dim=-1)
+    return cos_t[:, None, None, :], sin_t[:, None, None, :]
 
 
 def _rotate_partner(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -414,9 +458,9 @@ def fused_kv_materialize_torch(
     norm_round_before_rope: bool,
 ) -> None:
     """The kernel's math in PyTorch, same arguments as `launch_fused_kv_materialize` (all layers at once)."""
-    total_ctx, n_layers, _ = k_proj.shape
+    n_layers = k_proj.shape[1]
     out_dtype = k_out.dtype
-    k = k_proj.unflatten(-1, (num_kv_heads, head_dim)).float()  # [T, L, H, D]
+    k = as_heads(k_proj, num_kv_heads, head_dim).float()  # [T, L, H, D]
     if norm_weight is not None:
         eps_per_layer = eps.float().view(1, n_layers, 1, 1) if eps is not None else eps_value
         inv_rms = torch.rsqrt(k.square().mean(dim=-1, keepdim=True) + eps_per_layer)
@@ -428,11 +472,9 @@ def fused_kv_materialize_torch(
         if norm_round_before_rope:
             k = k.to(out_dtype).float()
     cos_t, sin_t = _rope_cos_sin(cos, sin, positions, rotary_dim, interleaved)
-    cos_t = cos_t.view(total_ctx, 1, 1, rotary_dim)
-    sin_t = sin_t.view(total_ctx, 1, 1, rotary_dim)
     rot = k[..., :rotary_dim]
     rotated = rot * cos_t + _rotate_partner(rot, interleaved) * sin_t
     k = torch.cat([rotated, k[..., rotary_dim:]], dim=-1)
     k_out.copy_(k.transpose(0, 1))
     if v_proj is not None:
-        v_out.copy_(v_proj.unflatten(-1, (num_kv_heads, head_dim)).transpose(0, 1))
+        v_out.copy_(as_heads(v_proj, num_kv_heads, head_dim).transpose(0, 1))

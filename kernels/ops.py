@@ -2,13 +2,18 @@
 
 Ops (namespace `fx_fusion`), all backed by one kernel (`fused_kv_materialize.py`). Common leading arguments:
 
-    k_proj         [total_ctx, n_layers, num_kv_heads*head_dim], any strides (a view of a stacked GEMM output)
+    k_proj         [total_ctx, n_layers, num_kv_heads*head_dim], any strides (a view of a stacked GEMM output),
+                   or [total_ctx, n_layers, num_kv_heads, head_dim], any strides (heads need not be adjacent:
+                   e.g. the K heads of a QKV output laid out per query group); the 3-D form is read as its
+                   view `k_proj.unflatten(-1, (num_kv_heads, head_dim))`
     k_norm_weight  [] (no K norm), [w] with w [n_layers, head_dim], or n_layers tensors of [head_dim]
     eps            [n_layers] float tensor (per-layer eps, read on device), or None to use eps_value
     eps_value      float
-    cos            positions None: per-token cos [total_ctx, rotary_dim] (Hugging Face layout);
-                   positions given: cos_sin_cache [max_pos, rotary_dim] (cos in the first half, sin after)
-    sin            per-token sin [total_ctx, rotary_dim] when positions is None, else None
+    cos            positions None: per-token cos [total_ctx, rotary_dim] (Hugging Face layout, shared by every
+                   layer) or [n_layers, total_ctx, rotary_dim] (one table per layer), any strides;
+                   positions given: cos_sin_cache [max_pos, rotary_dim] (cos in the first half, sin after,
+                   shared by every layer)
+    sin            per-token sin shaped like cos (the same rank) when positions is None, else None
     positions      [total_ctx] int32/int64 rows of cos_sin_cache, or None
     num_kv_heads, head_dim, rotary_dim: int
     interleaved    False: neox "rotate half"; True: GPT-J pairs (2i, 2i+1)
@@ -21,7 +26,7 @@ Ops (namespace `fx_fusion`), all backed by one kernel (`fused_kv_materialize.py`
                             False needs norm_weight_in_float32=True (ValueError otherwise); no effect without a norm
 
     materialize_k(<common>) -> k_out
-    materialize_kv(<common>, v_proj) -> (k_out, v_out)          v_proj: like k_proj
+    materialize_kv(<common>, v_proj) -> (k_out, v_out)          v_proj: k_proj's shape (3-D or 4-D), any strides
     materialize_kv_out(<common>, v_proj, k_out, v_out) -> None  writes k_out, v_out in place
 
 k_out, v_out: [n_layers, total_ctx, num_kv_heads, head_dim] in k_proj's dtype (fresh and contiguous from the
@@ -72,16 +77,25 @@ def check_stacked_kv_width(kv: torch.Tensor, num_kv_heads: int, head_dim: int) -
         )
 
 
-def _check_projections(k_proj: torch.Tensor, v_proj: Optional[torch.Tensor], kv_size: int) -> None:
-    if k_proj.dim() != 3:
+def _check_projections(
+    k_proj: torch.Tensor, v_proj: Optional[torch.Tensor], num_kv_heads: int, head_dim: int
+) -> None:
+    if k_proj.dim() not in (3, 4):
         raise ValueError(
             "Invalid stacked fused KV projection shape: "
-            f"got {tuple(k_proj.shape)}, expected 3D [total_ctx, n_layers, kv_size] for k_proj."
+            f"got {tuple(k_proj.shape)}, expected 3D [total_ctx, n_layers, kv_size] or "
+            "4D [total_ctx, n_layers, num_kv_heads, head_dim] for k_proj."
         )
-    if k_proj.shape[-1] != kv_size:
+    if k_proj.dim() == 3 and k_proj.shape[-1] != num_kv_heads * head_dim:
         raise ValueError(
             "Invalid fused KV projection shape: "
-            f"got {tuple(k_proj.shape)}, expected trailing dim {kv_size} for k_proj."
+            f"got {tuple(k_proj.shape)}, expected trailing dim {num_kv_heads * head_dim} for k_proj."
+        )
+    if k_proj.dim() == 4 and (k_proj.shape[2] != num_kv_heads or k_proj.shape[3] != head_dim):
+        raise ValueError(
+            "Invalid fused KV projection shape: "
+            f"got {tuple(k_proj.shape)}, expected trailing dims (num_kv_heads, head_dim) = "
+            f"{(num_kv_heads, head_dim)} for a 4D k_proj."
         )
     if v_proj is not None and tuple(v_proj.shape) != tuple(k_proj.shape):
         raise ValueError(
@@ -214,6 +228,7 @@ def _check_rope_tables(
     cos: torch.Tensor,
     sin: Optional[torch.Tensor],
     positions: Optional[torch.Tensor],
+    n_layers: int,
     total_ctx: int,
     rotary_dim: int,
 ) -> None:
@@ -222,12 +237,19 @@ def _check_rope_tables(
             raise ValueError(
                 "Missing sin for fused KV materialization: per-token cos/sin (positions=None) need both tables."
             )
+        shared, per_layer = (total_ctx, rotary_dim), (n_layers, total_ctx, rotary_dim)
         for name, table in (("cos", cos), ("sin", sin)):
-            if tuple(table.shape) != (total_ctx, rotary_dim):
+            if tuple(table.shape) != (shared if table.dim() == 2 else per_layer):
                 raise ValueError(
-                    f"Invalid per-token {name} shape for fused KV materialization: "
-                    f"got {tuple(table.shape)}, expected {(total_ctx, rotary_dim)}."
+                    f"Invalid per-token {name} shape for fused KV materialization: got {tuple(table.shape)}, "
+                    f"expected {shared} (shared by every layer) or {per_layer} (one table per layer)."
                 )
+        if cos.dim() != sin.dim():
+            raise ValueError(
+                "Mismatched per-token cos/sin shapes for fused KV materialization: "
+                f"got cos {tuple(cos.shape)} and sin {tuple(sin.shape)}, expected both {shared} (shared by every "
+                f"layer) or both {per_layer} (one table per layer)."
+            )
         return
     if sin is not None:
         raise ValueError(
@@ -306,14 +328,14 @@ def validate_materialize_args(
     overlap (k_out with v_out, then outputs with inputs). Works on fake tensors and symbolic shapes.
     """
     _check_head_layout(num_kv_heads, head_dim, rotary_dim)
-    _check_projections(k_proj, v_proj, num_kv_heads * head_dim)
-    total_ctx, n_layers, _ = k_proj.shape
+    _check_projections(k_proj, v_proj, num_kv_heads, head_dim)
+    total_ctx, n_layers = k_proj.shape[:2]
     _check_norm_and_eps(k_norm_weight, eps, n_layers, head_dim)
     expected_out_shape = (n_layers, total_ctx, num_kv_heads, head_dim)
     _check_output("k_out", k_out, expected_out_shape, k_proj)
     _check_output("v_out", v_out, expected_out_shape, k_proj)
     _check_dtypes_and_devices(k_proj, v_proj, k_norm_weight, eps, cos, sin, positions)
-    _check_rope_tables(cos, sin, positions, total_ctx, rotary_dim)
+    _check_rope_tables(cos, sin, positions, n_layers, total_ctx, rotary_dim)
     _check_scalars(eps_value, norm_weight_offset, norm_weight_in_float32, norm_round_before_rope)
     inputs = {"k_proj": k_proj, "v_proj": v_proj, "eps": eps, "cos": cos, "sin": sin, "positions": positions}
     inputs.update((f"k_norm_weight[{i}]", w) for i, w in enumerate(k_norm_weight))
@@ -374,7 +396,7 @@ def _validate(common: tuple, v_proj=None, k_out=None, v_out=None) -> None:
 def _new_output(common: tuple) -> torch.Tensor:
     """An empty [n_layers, total_ctx, num_kv_heads, head_dim] tensor like k_proj."""
     c = CommonArgs(*common)
-    total_ctx, n_layers, _ = c.k_proj.shape
+    total_ctx, n_layers = c.k_proj.shape[:2]
     return c.k_proj.new_empty((n_layers, total_ctx, c.num_kv_heads, c.head_dim))
 
 

@@ -3,8 +3,9 @@
     compute-sanitizer --tool memcheck python tests/gpu_sanitize_cases.py
 
 Runs the Triton kernel on the inputs most likely to go out of bounds (cache edges, out-of-range positions
-inside torch.compile, strided and padded heads, tiny shapes) and compares every result with the float64
-reference of tests/test_fused_kv_op.py. Exits nonzero on any mismatch; memcheck reports bad accesses.
+inside torch.compile, strided and padded heads, per-layer cos/sin tables, 4-D projections whose heads sit
+apart in a per-group QKV buffer, tiny shapes) and compares every result with the float64 reference of
+tests/test_fused_kv_op.py. Exits nonzero on any mismatch; memcheck reports bad accesses.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ CASES = {
     "gemma-norm-partial-rotary": Case(head_dim=80, rotary_dim=32, norm_weight_offset=1.0, norm_weight_in_float32=True),
     "round-once-partial-rotary-interleaved": Case(head_dim=80, rotary_dim=48, interleaved=True,
                                                   norm_weight_in_float32=True, norm_round_before_rope=False),
+    "per-layer-tables-strided-partial-rotary": Case(rope="per_layer_strided", head_dim=80, rotary_dim=48,
+                                                    interleaved=True, num_kv_heads=3),
+    "grouped-heads-4d-padded": Case(proj="grouped", head_dim=80, rotary_dim=40, num_kv_heads=3, total_ctx=9),
 }
 
 

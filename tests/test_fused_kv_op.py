@@ -55,10 +55,16 @@ class Case:
     dtype: torch.dtype = torch.bfloat16
     norm: str | None = "stacked"  # "stacked" [L, D], "per_layer" L x [D], None
     eps_tensor: bool = True  # per-layer eps tensor, else eps_value
-    rope: str = "cache"  # "cache" (cos_sin_cache + positions) or "per_token" (cos, sin)
+    # "cache" (cos_sin_cache + positions), "per_token" (cos, sin [T, r] shared by every layer), "per_layer"
+    # (cos, sin [L, T, r], one table per layer) or "per_layer_strided" (the same, non-contiguous views)
+    rope: str = "cache"
     positions_dtype: torch.dtype = torch.int64
     interleaved: bool = False
     kv_layout: str = "contiguous"  # "contiguous", "wide" (view of a wider buffer), "token_stride", "elem_stride"
+    # k_proj / v_proj given to the ops as: "flat" [T, L, H*D] views of kv, "heads" [T, L, H, D] views of kv
+    # (head stride = head_dim element strides) or "grouped" [T, L, H, D] views of a per-query-group QKV buffer
+    # [T, L, H, q_per_group + 2, D] (head stride (q_per_group + 2) * head_dim); the drop-in always gets kv
+    proj: str = "flat"
     max_pos: int = 64
     edge_positions: bool = False  # positions alternate 0 and max_pos - 1
     norm_weight_offset: float = 0.0  # 1.0: Gemma's (1 + weight)
@@ -83,12 +89,19 @@ class Inputs:
     cos: torch.Tensor
     sin: torch.Tensor | None
     positions: torch.Tensor | None
+    grouped: tuple[torch.Tensor, torch.Tensor] | None = None  # (k, v) [T, L, H, D] views, proj="grouped"
 
     def k_proj(self, case: Case) -> torch.Tensor:
-        return self.kv[..., : case.kv_size]
+        if case.proj == "grouped":
+            return self.grouped[0]
+        k_proj = self.kv[..., : case.kv_size]
+        return k_proj.unflatten(-1, (case.num_kv_heads, case.head_dim)) if case.proj == "heads" else k_proj
 
     def v_proj(self, case: Case) -> torch.Tensor:
-        return self.kv[..., case.kv_size :]
+        if case.proj == "grouped":
+            return self.grouped[1]
+        v_proj = self.kv[..., case.kv_size :]
+        return v_proj.unflatten(-1, (case.num_kv_heads, case.head_dim)) if case.proj == "heads" else v_proj
 
     def common(self, case: Case) -> tuple:
         return (
@@ -118,6 +131,18 @@ def _strided_kv(values: torch.Tensor, layout: str) -> torch.Tensor:
     return view
 
 
+def grouped_heads(kv: torch.Tensor, num_kv_heads: int, head_dim: int, q_per_group: int = 2) -> tuple:
+    """(k, v) [T, L, H, D] views of a QKV buffer laid out per query group, [T, L, H, q_per_group + 2, D]
+    (q heads of the group, then its K head, then its V head), holding kv's K and V values: the head stride
+    is (q_per_group + 2) * head_dim, not head_dim. The query slots hold random decoys."""
+    total_ctx, n_layers, _ = kv.shape
+    shape = (total_ctx, n_layers, num_kv_heads, q_per_group + 2, head_dim)
+    qkv = torch.randn(shape, dtype=kv.dtype, device=kv.device)
+    qkv[..., q_per_group, :] = kv[..., : num_kv_heads * head_dim].unflatten(-1, (num_kv_heads, head_dim))
+    qkv[..., q_per_group + 1, :] = kv[..., num_kv_heads * head_dim :].unflatten(-1, (num_kv_heads, head_dim))
+    return qkv[..., q_per_group, :], qkv[..., q_per_group + 1, :]
+
+
 def make_inputs(case: Case, device: str = "cpu", seed: int = 0) -> Inputs:
     gen = torch.Generator().manual_seed(seed)
 
@@ -143,10 +168,22 @@ def make_inputs(case: Case, device: str = "cpu", seed: int = 0) -> Inputs:
         else:
             positions = torch.randint(0, case.max_pos, (T,), generator=gen)
         positions = positions.to(device=device, dtype=case.positions_dtype)
-    else:
+    elif case.rope == "per_token":
         angles = randn(T, case.rot, dtype=torch.float32) * 3  # no assumption that the halves repeat
         cos, sin, positions = angles.cos().to(case.dtype), angles.sin().to(case.dtype), None
-    return Inputs(kv, k_norm_weight, eps, 1e-5, cos, sin, positions)
+    elif case.rope == "per_layer":  # a different table for every layer
+        angles = randn(L, T, case.rot, dtype=torch.float32) * 3
+        cos, sin, positions = angles.cos().to(case.dtype), angles.sin().to(case.dtype), None
+    elif case.rope == "per_layer_strided":  # [L, T, r] views: of a [T, L, r] buffer, of a [T, L, r, 2] one
+        angles = randn(T, L, case.rot, dtype=torch.float32) * 3
+        cos = angles.cos().to(case.dtype).transpose(0, 1)
+        decoys = randn(T, L, case.rot, dtype=torch.float32)
+        sin = torch.stack([angles.sin(), decoys], dim=-1).to(case.dtype)[..., 0].transpose(0, 1)
+        positions = None
+    else:
+        raise AssertionError(case.rope)
+    grouped = grouped_heads(kv, case.num_kv_heads, D) if case.proj == "grouped" else None
+    return Inputs(kv, k_norm_weight, eps, 1e-5, cos, sin, positions, grouped)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -168,12 +205,14 @@ def reference(case: Case, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
     def rounded(x: torch.Tensor) -> torch.Tensor:
         return x.to(case.dtype).double()
 
-    if inputs.positions is None:
+    if inputs.positions is None:  # [T, r] shared by every layer, or [L, T, r]
         cos, sin = inputs.cos.double().cpu(), inputs.sin.double().cpu()
+        if cos.dim() == 2:
+            cos, sin = cos.expand(L, T, r), sin.expand(L, T, r)
     else:
         pos = inputs.positions.long().cpu().clamp(0, inputs.cos.shape[0] - 1)
         cache = inputs.cos.double().cpu()
-        cos, sin = cache[pos][:, freq], cache[pos][:, half + freq]
+        cos, sin = cache[pos][:, freq].expand(L, T, r), cache[pos][:, half + freq].expand(L, T, r)
 
     weights = [w.double().cpu() for w in inputs.k_norm_weight]
     if len(weights) == 1 and weights[0].dim() == 2:
@@ -190,7 +229,7 @@ def reference(case: Case, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
             k = normed * (weights[layer] + case.norm_weight_offset)
             if case.norm_round_before_rope:
                 k = rounded(k)
-        rot = k[..., :r] * cos[:, None, :] + sign * k[..., partner] * sin[:, None, :]
+        rot = k[..., :r] * cos[layer][:, None, :] + sign * k[..., partner] * sin[layer][:, None, :]
         k_out[layer] = rounded(torch.cat([rot, k[..., r:]], dim=-1))
     v_out = inputs.v_proj(case).double().cpu().reshape(T, L, H, D).transpose(0, 1)
     return k_out, v_out
@@ -326,6 +365,30 @@ CASES = {
                                                 eps_tensor=False, norm_weight_in_float32=True,
                                                 norm_round_before_rope=False),
     "bf16-no-norm-round-once-unused": Case(norm=None, norm_weight_in_float32=True, norm_round_before_rope=False),
+    # Per-layer cos/sin tables [L, T, r] (a different table for every layer)
+    "bf16-per-layer-tables-neox": Case(rope="per_layer"),
+    "fp32-per-layer-tables-interleaved": Case(dtype=torch.float32, rope="per_layer", interleaved=True),
+    "fp16-per-layer-tables-strided": Case(dtype=torch.float16, rope="per_layer_strided"),
+    "fp32-per-layer-tables-partial-rotary": Case(dtype=torch.float32, rope="per_layer_strided", head_dim=80,
+                                                 rotary_dim=32, num_kv_heads=3),
+    "bf16-per-layer-tables-partial-rotary-interleaved": Case(rope="per_layer", head_dim=80, rotary_dim=48,
+                                                             interleaved=True, norm=None),
+    # 4-D k_proj / v_proj [T, L, H, D]: views of kv, and heads cut from a per-query-group QKV buffer
+    "bf16-heads-4d-neox-cache": Case(proj="heads"),
+    "fp32-heads-4d-token-stride-per-token": Case(dtype=torch.float32, proj="heads", kv_layout="token_stride",
+                                                 rope="per_token"),
+    "fp32-heads-4d-elem-stride-interleaved": Case(dtype=torch.float32, proj="heads", kv_layout="elem_stride",
+                                                  interleaved=True),
+    "bf16-grouped-heads-neox-cache": Case(proj="grouped"),
+    "fp32-grouped-heads-interleaved-partial-rotary": Case(dtype=torch.float32, proj="grouped", interleaved=True,
+                                                          head_dim=80, rotary_dim=48, num_kv_heads=3),
+    "fp16-grouped-heads-gemma-norm": Case(dtype=torch.float16, proj="grouped", norm_weight_offset=1.0,
+                                          norm_weight_in_float32=True),
+    "bf16-grouped-heads-per-layer-tables-round-once": Case(proj="grouped", rope="per_layer_strided",
+                                                           norm_weight_in_float32=True, norm_round_before_rope=False),
+    "fp32-grouped-heads-per-layer-tables-partial-rotary": Case(dtype=torch.float32, proj="grouped",
+                                                               rope="per_layer", head_dim=128, rotary_dim=64,
+                                                               num_kv_heads=1, norm="per_layer"),
 }
 
 
@@ -458,6 +521,92 @@ def test_empty_context(device: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------
+# Per-layer cos/sin tables [L, T, r]; 4-D projections [T, L, H, D] with any head stride
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_per_layer_tables_give_each_layer_its_table(interleaved: bool, device: str) -> None:
+    """Layer l of the per-layer result is, bit for bit, layer l of the result with table l shared by every
+    layer; the layers' tables differ, so a kernel reading one table for all would fail."""
+    case = Case(dtype=torch.float32, rope="per_layer_strided", interleaved=interleaved, head_dim=80, rotary_dim=48)
+    inputs = make_inputs(case, device)
+    v_proj = inputs.v_proj(case)
+    assert not torch.equal(inputs.cos[0], inputs.cos[1]) and not torch.equal(inputs.sin[1], inputs.sin[2])
+    with poisoned_allocations():
+        k_out, v_out = OPS.materialize_kv(*inputs.common(case), v_proj)
+    assert_close_to_reference(k_out, reference(case, inputs)[0], case.dtype)
+    shared_case = dataclasses.replace(case, rope="per_token")
+    for layer in range(case.n_layers):
+        shared = dataclasses.replace(inputs, cos=inputs.cos[layer], sin=inputs.sin[layer])
+        torch.testing.assert_close(k_out[layer], OPS.materialize_k(*shared.common(shared_case))[layer], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_expanded_per_layer_table_equals_shared(dtype: torch.dtype, device: str) -> None:
+    """A [1, T, r] table expanded to [L, T, r] (layer stride 0) gives the 2-D shared result bit for bit."""
+    case = Case(dtype=dtype, rope="per_token", head_dim=80, rotary_dim=48)
+    inputs = make_inputs(case, device)
+    expanded = dataclasses.replace(
+        inputs,
+        cos=inputs.cos[None].expand(case.n_layers, -1, -1),
+        sin=inputs.sin.unsqueeze(0).expand(case.n_layers, -1, -1),
+    )
+    assert expanded.cos.stride(0) == 0 and expanded.cos.dim() == 3
+    v_proj = inputs.v_proj(case)
+    expected_k, expected_v = OPS.materialize_kv(*inputs.common(case), v_proj)
+    k_into, v_into = poisoned(expected_k.shape, expected_k), poisoned(expected_v.shape, expected_v)
+    OPS.materialize_kv_out(*expanded.common(case), v_proj, k_into, v_into)
+    torch.testing.assert_close(k_into, expected_k, rtol=0, atol=0)
+    assert torch.equal(v_into, expected_v)
+    torch.testing.assert_close(OPS.materialize_k(*expanded.common(case)), expected_k, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grouped_heads_equal_contiguous(dtype: torch.dtype, interleaved: bool, device: str) -> None:
+    """4-D k_proj / v_proj whose heads sit (q_per_group + 2) * head_dim apart in a per-group QKV buffer give,
+    bit for bit, what the same data gives made contiguous (4-D) or flattened to [T, L, H*D]."""
+    case = Case(dtype=dtype, proj="grouped", interleaved=interleaved, head_dim=80, rotary_dim=48, num_kv_heads=3)
+    inputs = make_inputs(case, device)
+    k_proj, v_proj = inputs.k_proj(case), inputs.v_proj(case)
+    assert k_proj.dim() == 4 and k_proj.stride(2) == 4 * case.head_dim and not k_proj.is_contiguous()
+    with poisoned_allocations():
+        k_out, v_out = OPS.materialize_kv(*inputs.common(case), v_proj)
+    assert_close_to_reference(k_out, reference(case, inputs)[0], case.dtype)
+    args = list(inputs.common(case))
+    for k_same, v_same in ((k_proj.contiguous(), v_proj.contiguous()), (k_proj.flatten(2), v_proj.flatten(2))):
+        args[0] = k_same
+        expected_k, expected_v = OPS.materialize_kv(*args, v_same)
+        torch.testing.assert_close(k_out, expected_k, rtol=0, atol=0)
+        assert torch.equal(v_out, expected_v)
+    k_into, v_into = poisoned(k_out.shape, k_out), poisoned(v_out.shape, v_out)
+    OPS.materialize_kv_out(*inputs.common(case), v_proj, k_into, v_into)
+    torch.testing.assert_close(k_into, k_out, rtol=0, atol=0)
+    assert torch.equal(v_into, v_out)
+
+
+def test_grouped_heads_per_layer_tables_under_compile(device: str) -> None:
+    """Both generalisations at once through torch.compile (fake kernel shapes, then the real kernel)."""
+    torch._dynamo.reset()
+    case = Case(dtype=torch.float32, proj="grouped", rope="per_layer_strided")
+    inputs = make_inputs(case, device)
+
+    def draft(k_proj, v_proj, weight, eps, cos, sin):
+        return OPS.materialize_kv(
+            k_proj, [weight], eps, 1e-6, cos, sin, None, case.num_kv_heads, case.head_dim, case.rot, False, 0.0,
+            False, True, v_proj,
+        )
+
+    args = (inputs.k_proj(case), inputs.v_proj(case), inputs.k_norm_weight[0], inputs.eps, inputs.cos, inputs.sin)
+    expected_k, expected_v = draft(*args)
+    k_out, v_out = torch.compile(draft, fullgraph=True)(*args)
+    torch.testing.assert_close(k_out, expected_k, rtol=0, atol=0)
+    assert torch.equal(v_out, expected_v)
+    assert_close_to_reference(k_out, reference(case, inputs)[0], case.dtype)
+
+
+# --------------------------------------------------------------------------------------------------------
 # K-norm options: norm_weight_offset, norm_weight_in_float32 and norm_round_before_rope
 # --------------------------------------------------------------------------------------------------------
 
@@ -554,7 +703,7 @@ def test_round_once_equals_float32_result_rounded(dtype: torch.dtype, device: st
     fp32_inputs = dataclasses.replace(inputs, kv=inputs.kv.float())  # same weights, eps and tables
     expected = _to_dtype_as_backend(OPS.materialize_k(*fp32_inputs.common(fp32_case)), dtype)
     if device == "cuda":
-        assert_close_to_reference(k_once, expected.double(), dtype)
+        assert_close_to_reference(k_once, expected.double().cpu(), dtype)
     else:
         torch.testing.assert_close(k_once, expected, rtol=0, atol=0)
 
@@ -593,10 +742,11 @@ def cases(draw, max_layers=8, max_heads=16, max_ctx=4):
         dtype=draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32])),
         norm=draw(st.sampled_from(["stacked", "per_layer", None])),
         eps_tensor=draw(st.booleans()),
-        rope=draw(st.sampled_from(["cache", "per_token"])),
+        rope=draw(st.sampled_from(["cache", "per_token", "per_layer", "per_layer_strided"])),
         positions_dtype=draw(st.sampled_from([torch.int32, torch.int64])),
         interleaved=draw(st.booleans()),
         kv_layout=draw(st.sampled_from(["contiguous", "wide", "token_stride", "elem_stride"])),
+        proj=draw(st.sampled_from(["flat", "heads", "grouped"])),
         max_pos=draw(st.integers(1, 16)),
         norm_weight_offset=draw(st.sampled_from([0.0, 1.0])),
         norm_weight_in_float32=(in_float32 := draw(st.booleans())),
@@ -734,6 +884,10 @@ EXTRA_ERRORS = {
         dict(positions=torch.tensor([0, 1, -1, 2, 3, 4, 5], dtype=torch.int32)),
         "Positions out of range of the cos_sin_cache for fused KV materialization: "
         "got min=-1, max=5, expected 0 <= position < 64.",
+    ),
+    "kv-4d": (  # the drop-in keeps SGLang's 3-D kv; 4-D projections are for the ops
+        dict(kv=torch.randn(7, 3, 4, 64, dtype=torch.bfloat16)),
+        "Invalid stacked fused KV projection shape: got (7, 3, 4, 64), expected 3D [total_ctx, n_layers, kv_size*2].",
     ),
     "head-layout": (
         dict(num_kv_heads=0, kv=torch.randn(7, 3, 0)),
@@ -885,8 +1039,31 @@ def test_drop_in_meta_tensors() -> None:
 OP_ERRORS = {
     "k_proj-2d": (
         lambda inputs, case: {"k_proj": inputs.kv[0, :, :128]},
-        "Invalid stacked fused KV projection shape: got (3, 128), "
-        "expected 3D [total_ctx, n_layers, kv_size] for k_proj.",
+        "Invalid stacked fused KV projection shape: got (3, 128), expected 3D [total_ctx, n_layers, kv_size] "
+        "or 4D [total_ctx, n_layers, num_kv_heads, head_dim] for k_proj.",
+    ),
+    "k_proj-5d": (
+        lambda inputs, case: {"k_proj": inputs.kv[..., :128].reshape(7, 3, 2, 1, 64)},
+        "Invalid stacked fused KV projection shape: got (7, 3, 2, 1, 64), expected 3D [total_ctx, n_layers, "
+        "kv_size] or 4D [total_ctx, n_layers, num_kv_heads, head_dim] for k_proj.",
+    ),
+    "k_proj-4d-heads": (
+        lambda inputs, case: {"k_proj": inputs.kv.unflatten(-1, (4, 64)), "v_proj": inputs.kv.unflatten(-1, (4, 64))},
+        "Invalid fused KV projection shape: got (7, 3, 4, 64), expected trailing dims (num_kv_heads, head_dim) = "
+        "(2, 64) for a 4D k_proj.",
+    ),
+    "k_proj-4d-head-dim": (
+        lambda inputs, case: {"k_proj": inputs.kv[..., :128].unflatten(-1, (4, 32))},
+        "Invalid fused KV projection shape: got (7, 3, 4, 32), expected trailing dims (num_kv_heads, head_dim) = "
+        "(2, 64) for a 4D k_proj.",
+    ),
+    "v_proj-3d-with-4d-k_proj": (
+        lambda inputs, case: {"k_proj": inputs.kv[..., :128].unflatten(-1, (2, 64))},
+        "Invalid fused KV projection shape: got v_proj (7, 3, 128), expected (7, 3, 2, 64) (the k_proj shape).",
+    ),
+    "v_proj-4d-with-3d-k_proj": (
+        lambda inputs, case: {"v_proj": inputs.kv[..., 128:].unflatten(-1, (2, 64))},
+        "Invalid fused KV projection shape: got v_proj (7, 3, 2, 64), expected (7, 3, 128) (the k_proj shape).",
     ),
     "v_proj-shape": (
         lambda inputs, case: {"v_proj": inputs.kv[:-1, :, 128:]},
@@ -917,11 +1094,42 @@ OP_ERRORS = {
     ),
     "per-token-cos-shape": (
         lambda inputs, case: {"positions": None, "cos": torch.ones(6, 64), "sin": torch.ones(7, 64)},
-        "Invalid per-token cos shape for fused KV materialization: got (6, 64), expected (7, 64).",
+        "Invalid per-token cos shape for fused KV materialization: got (6, 64), "
+        "expected (7, 64) (shared by every layer) or (3, 7, 64) (one table per layer).",
     ),
     "per-token-sin-shape": (
         lambda inputs, case: {"positions": None, "cos": torch.ones(7, 64), "sin": torch.ones(7, 32)},
-        "Invalid per-token sin shape for fused KV materialization: got (7, 32), expected (7, 64).",
+        "Invalid per-token sin shape for fused KV materialization: got (7, 32), "
+        "expected (7, 64) (shared by every layer) or (3, 7, 64) (one table per layer).",
+    ),
+    "per-layer-cos-layers": (
+        lambda inputs, case: {"positions": None, "cos": torch.ones(2, 7, 64), "sin": torch.ones(3, 7, 64)},
+        "Invalid per-token cos shape for fused KV materialization: got (2, 7, 64), "
+        "expected (7, 64) (shared by every layer) or (3, 7, 64) (one table per layer).",
+    ),
+    "per-layer-sin-width": (
+        lambda inputs, case: {"positions": None, "cos": torch.ones(3, 7, 64), "sin": torch.ones(3, 7, 32)},
+        "Invalid per-token sin shape for fused KV materialization: got (3, 7, 32), "
+        "expected (7, 64) (shared by every layer) or (3, 7, 64) (one table per layer).",
+    ),
+    "per-token-cos-1d": (
+        lambda inputs, case: {"positions": None, "cos": torch.ones(64), "sin": torch.ones(7, 64)},
+        "Invalid per-token cos shape for fused KV materialization: got (64,), "
+        "expected (7, 64) (shared by every layer) or (3, 7, 64) (one table per layer).",
+    ),
+    "per-token-cos-4d": (
+        lambda inputs, case: {"positions": None, "cos": torch.ones(1, 3, 7, 64), "sin": torch.ones(1, 3, 7, 64)},
+        "Invalid per-token cos shape for fused KV materialization: got (1, 3, 7, 64), "
+        "expected (7, 64) (shared by every layer) or (3, 7, 64) (one table per layer).",
+    ),
+    "per-token-cos-sin-ranks": (
+        lambda inputs, case: {"positions": None, "cos": torch.ones(7, 64), "sin": torch.ones(3, 7, 64)},
+        "Mismatched per-token cos/sin shapes for fused KV materialization: got cos (7, 64) and sin (3, 7, 64), "
+        "expected both (7, 64) (shared by every layer) or both (3, 7, 64) (one table per layer).",
+    ),
+    "per-layer-cache-with-positions": (
+        lambda inputs, case: {"cos": inputs.cos.expand(3, -1, -1)},
+        "Invalid cos_sin_cache shape for fused KV materialization: got (3, 64, 64), expected (max_pos >= 1, 64).",
     ),
     "v_proj-dtype": (
         lambda inputs, case: {"v_proj": inputs.v_proj(case).half()},
@@ -970,7 +1178,10 @@ def test_op_errors(name: str) -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["v_proj-shape", "per-layer-norm-count", "missing-sin", "eps_value-nan", "round-once-without-weight-in-float32"],
+    [
+        "v_proj-shape", "per-layer-norm-count", "missing-sin", "eps_value-nan", "round-once-without-weight-in-float32",
+        "k_proj-4d-heads", "v_proj-3d-with-4d-k_proj", "per-layer-cos-layers", "per-token-cos-sin-ranks",
+    ],
 )
 def test_op_errors_at_trace_time(name: str) -> None:
     """The fake kernel validates like the real one, so torch.compile fails with the same message."""
@@ -1031,6 +1242,32 @@ def test_compile_shape_guard_at_trace_time() -> None:
         torch.compile(k_only, fullgraph=True, backend="eager")(inputs.kv[:, 0, :128])
 
 
+def test_dynamic_total_ctx_grouped_heads_per_layer_tables() -> None:
+    """4-D strided k_proj / v_proj and per-layer tables with a dynamic total_ctx: one graph for T = 5, 7, 9."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def draft(k_proj, v_proj, weight, eps, cos, sin):
+        return OPS.materialize_kv(
+            k_proj, [weight], eps, 1e-6, cos, sin, None, 2, 64, 64, False, 0.0, False, True, v_proj
+        )
+
+    compiled = torch.compile(draft, backend=counting_backend, fullgraph=True, dynamic=True)
+    for total_ctx in (5, 7, 9):
+        case = Case(total_ctx=total_ctx, dtype=torch.float32, proj="grouped", rope="per_layer_strided")
+        inputs = make_inputs(case, seed=total_ctx)
+        k_proj, v_proj = inputs.k_proj(case), inputs.v_proj(case)
+        k_out, v_out = compiled(k_proj, v_proj, inputs.k_norm_weight[0], inputs.eps, inputs.cos, inputs.sin)
+        ref_k, ref_v = reference(case, inputs)
+        assert_close_to_reference(k_out, ref_k, case.dtype)
+        assert torch.equal(v_out.double(), ref_v)
+    assert len(graphs) == 1
+
+
 def test_dynamic_total_ctx_does_not_recompile() -> None:
     """T = 5, 7, 9 share one graph. (Dynamo specializes sizes 0 and 1, so T=1 would get its own graph.)"""
     torch._dynamo.reset()
@@ -1076,11 +1313,19 @@ def test_export_module_calling_op() -> None:
     torch.testing.assert_close(actual[1], expected[1], rtol=0, atol=0)
 
 
+OPCHECK_LAYOUTS = {
+    "cache": dict(rope="cache"),
+    "per_token": dict(rope="per_token"),
+    # per-layer cos/sin [L, T, r] (strided views) and 4-D k_proj / v_proj with a head stride != head_dim
+    "per_layer_tables-grouped_heads": dict(rope="per_layer_strided", proj="grouped"),
+}
+
+
 @pytest.mark.parametrize("op_name", ["materialize_k", "materialize_kv", "materialize_kv_out"])
-@pytest.mark.parametrize("rope", ["cache", "per_token"])
+@pytest.mark.parametrize("layout", list(OPCHECK_LAYOUTS))
 @pytest.mark.parametrize("norm", ["stacked", "per_layer"])
-def test_opcheck(op_name: str, rope: str, norm: str, device: str) -> None:
-    case = Case(dtype=torch.float32, rope=rope, norm=norm)
+def test_opcheck(op_name: str, layout: str, norm: str, device: str) -> None:
+    case = Case(dtype=torch.float32, norm=norm, **OPCHECK_LAYOUTS[layout])
     inputs = make_inputs(case, device)
     args = (*inputs.common(case),)
     if op_name != "materialize_k":

@@ -214,7 +214,6 @@ class VariantContext(nn.Module):
 @pytest.mark.parametrize(
     "variant, reason",
     [
-        ("other_cos_sin", "differs from the fused group in cos, sin"),
         ("whole_projection_norm", "RMSNorm over the whole projection (64 features), not per head (32)"),
         ("layer_norm", "subtracts the mean (LayerNorm), not an RMSNorm"),
         ("head_dim", "differs from the fused group in head_dim"),
@@ -238,6 +237,19 @@ def test_deviating_layer_left_alone_with_reason(variant, reason):
     # when they have the group's width, as any linear on the same input does
     assert counting.after[aten.neg.default] == 1 and counting.after[FUSED_OP] == 1
     assert sum(counting.after[op] for op in PROJECTION_OPS) == (2 if variant == "head_dim" else 0)
+
+
+def test_layer_with_its_own_cos_sin_fuses_with_per_layer_tables():
+    """A layer whose rotary embedding has another rope_theta joins the group; the fused op reads one
+    cos/sin table per layer, so every layer keeps its own rotation."""
+    torch.manual_seed(0)
+    module = VariantContext("other_cos_sin")
+    x, positions = torch.randn(1, 6, 64), torch.arange(6)[None] + 2
+    counting = check_compiled_matches_eager(module, x, positions)
+    (record,) = counting.records
+    (group,) = record.fused_groups
+    assert group.n_layers == 3 and group.rotary_tables == "per-layer cos/sin", record
+    assert counting.after[FUSED_OP] == 1 and counting.after[aten.neg.default] == 0
 
 
 def test_single_layer_needs_min_layers_option():
