@@ -197,9 +197,10 @@ def _find_candidates(graph: torch.fx.Graph, record: PassRecord, same_value: Valu
                 continue
             try:
                 projection = kv_patterns.split_into_layers(kv_patterns.match_projection(node))
-            except NoMatch as reason:
-                if "computed in the graph" in str(reason):  # a linear a user may expect to see fused
-                    record.rejected.append(Rejection(str(reason), node_location(node)))
+            except kv_patterns.ComputedWeight as reason:  # a linear a user may expect to see fused
+                record.rejected.append(Rejection(str(reason), node_location(node)))
+                continue
+            except NoMatch:
                 continue
         entry = by_input[same_value(projection.x2d)]
         entry["projections"].append(projection)

@@ -41,6 +41,18 @@ class NoMatch(Exception):
     """The branch differs from the fusable pattern; the message says how."""
 
 
+class ComputedWeight(NoMatch):
+    """A linear over a weight (or bias) cut from a parameter in the graph: worth telling the user."""
+
+
+def _cut_from_parameter(node) -> bool:
+    """Is `node` a parameter seen through views, slices, selects or gathers (`qkv.weight[kv_rows]`)?"""
+    cuts = (aten.slice.Tensor, aten.select.int, aten.index.Tensor, aten.index_select.default, aten.t.default)
+    while is_call(node, *LAYOUT_OPS, *cuts):
+        node = node.args[0]
+    return is_weight_input(node)
+
+
 class NotKBranch(NoMatch):
     """The branch has neither a norm nor a rotary embedding (a V projection, say): nothing to report."""
 
@@ -132,7 +144,8 @@ def match_projection(node: torch.fx.Node) -> Projection:
         if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
             raise NoMatch("addmm with alpha/beta scaling")
         if not is_weight_input(bias) or len(val(bias).shape) != 1:
-            raise NoMatch("projection bias is computed in the graph, not a parameter")
+            error = ComputedWeight if _cut_from_parameter(bias) else NoMatch
+            raise error("projection bias is computed in the graph, not a parameter")
         if static_shape(bias) != static_shape(node)[-1:]:
             raise NoMatch(f"projection bias has shape {static_shape(bias)}, not one value per output column")
     else:
@@ -142,7 +155,11 @@ def match_projection(node: torch.fx.Node) -> Projection:
         return Projection(node, x2d, [rhs.args[0]], biases, False)
     if is_weight_input(rhs) and rhs.op == "get_attr":
         return Projection(node, x2d, [rhs], biases, True)
-    raise NoMatch("projection weight is computed in the graph, not a parameter")
+    # a contraction over the hidden size of a weight cut from a parameter; not, e.g., rotary angles'
+    # outer product (inner size 1)
+    if static_shape(x2d)[-1] > 1 and _cut_from_parameter(rhs):
+        raise ComputedWeight("projection weight is computed in the graph, not a parameter")
+    raise NoMatch("not a linear projection")
 
 
 def _is_column_cat(node) -> bool:
