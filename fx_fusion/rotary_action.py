@@ -254,6 +254,8 @@ def _table_mode(shape: list[int], k_shape: list[int], index: torch.Tensor, rotar
 
 def match_rotation(k: torch.fx.Node) -> Rotation:
     """Find the rotary embedding applied to `k` ([..., head_dim]); raises NotRotary with the reason."""
+    if not isinstance(node_val(k), torch.Tensor) or node_val(k).dim() == 0:
+        raise NotRotary("no rotary embedding (K times cos plus rotated K times sin) on K")
     inside = _region(k)
     candidates = _closed_outputs(k, inside)
     if not candidates:
