@@ -274,15 +274,30 @@ class Bench:
     def _run_column(self, row: dict, tag: str, name: str, make: Callable[[], Callable[[], Any]], ref) -> None:
         cell = row.setdefault(name, {})
         try:
+            base = self._memory_baseline()
             t0 = time.perf_counter()
             fn = make()
             self._record(cell, tag, name, fn, ref, time.perf_counter() - t0)
+            if base is not None:  # what this column holds beyond the model and inputs (MiB)
+                torch.cuda.synchronize()
+                cell["steady_mib"] = (torch.cuda.memory_allocated() - base) / 2**20
+                cell["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
         except Exception as exc:  # one column's failure must not end the run
             cell["error"] = short_error(exc)
             log(f"{tag} {name:>13}: -  ERROR {cell['error']}")
             if self.args.verbose:
                 traceback.print_exc()
                 sys.stdout.flush()
+
+    def _memory_baseline(self) -> int | None:
+        """CUDA bytes allocated before a column is built (the peak counter reset), or None off CUDA."""
+        if self.device.type != "cuda":
+            return None
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
 
     def _compiled_family(self, row, tag, model, x, pos, ref, backend_fn, freezing: bool, plain: str, graphed: str):
         want_plain, want_graph = plain in self.columns, graphed in self.columns

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session: CUDA tests, the memory checker on the kernel, the benchmarks, the host-cost breakdown.
-#   OUT=/some/dir bash benchmarks/gpu_session.sh [tests] [sanitize] [bench_op] [bench_module] [bench_module_quick] [host]
+#   OUT=/some/dir bash benchmarks/gpu_session.sh [tests] [sanitize] [bench_op] [bench_gemv] [bench_module] [bench_module_quick] [host]
 # Installs the checkout editable first (offline: the build needs setuptools>=77 already installed), so
 # everything runs against the installed package; logs go to $OUT.
 set -uo pipefail
@@ -20,9 +20,10 @@ python -c "import torch, triton, transformers; print('torch', torch.__version__,
 for step in "${steps[@]}"; do
   echo "=== $step $(date +%T)"
   case "$step" in
-    tests) timeout 420 python -m pytest -q -p no:cacheprovider -k "cuda or reduce_overhead" tests > "$OUT/pytest_cuda.log" 2>&1; tail -n 3 "$OUT/pytest_cuda.log" ;;
+    tests) timeout 420 python -m pytest -q -p no:cacheprovider -k "cuda or reduce_overhead or gpu" tests > "$OUT/pytest_cuda.log" 2>&1; tail -n 3 "$OUT/pytest_cuda.log" ;;
     sanitize) (cd tests && timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 python gpu_sanitize_cases.py) > "$OUT/sanitizer.log" 2>&1; echo "sanitizer exit $?"; tail -n 5 "$OUT/sanitizer.log" ;;
     bench_op) timeout 300 python benchmarks/bench_op.py --out "$OUT" 2>&1 | tail -n 30 ;;
+    bench_gemv) timeout 240 python benchmarks/bench_grouped_gemv.py --out "$OUT/bench_grouped_gemv.json" 2>&1 | tail -n 40 ;;
     bench_module) timeout 540 python benchmarks/bench_module.py --out "$OUT" 2>&1 | tail -n 60 ;;
     host) timeout 240 python benchmarks/host_overhead.py --out "$OUT" 2>&1 | tail -n 60 ;;
     bench_module_quick) timeout 400 python benchmarks/bench_module.py --quick --out "$OUT" 2>&1 | tail -n 40 ;;

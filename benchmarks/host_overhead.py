@@ -5,7 +5,7 @@
 At small T every path here is bound by host work, so the time of `calls` back-to-back calls divided by
 `calls` (one synchronize at the end) is the host cost per call. Measured, side by side in one run: the
 compiled module (torch.compile default and the fx_fusion backend), the hand-fused module, the pieces of
-the fused path on their own (the stacked GEMM op, the materialization op, its validation, the Triton
+the fused path on their own (the grouped GEMM op, the materialization op, its validation, the Triton
 launch), and a cProfile of fx_fusion-compiled calls. Writes host_overhead.txt to --out.
 """
 
@@ -91,10 +91,10 @@ def main(argv=None) -> int:
         # The pieces of the fused path, called directly with the hand-fused module's tensors.
         L, H, D = hand.n_layers, hand.num_kv_heads, hand.head_dim
         flat = x.reshape(-1, hand.hidden_size)
-        # the pass's order (K weights, then V weights): the buffer it re-homed them onto, no copy
+        # the pass's order (K weights, then V weights), each read where it lives
         weights = [layer.k_proj.weight for layer in model.layers] + [layer.v_proj.weight for layer in model.layers]
         report("torch.mm on pre-stacked weights", lambda: torch.mm(flat, hand.kv_weight.t()))
-        report("fx_fusion::stacked_linear (2L weights)", lambda: torch.ops.fx_fusion.stacked_linear(flat, weights, []))
+        report("fx_fusion::grouped_linear (2L weights)", lambda: torch.ops.fx_fusion.grouped_linear(flat, weights, []))
         kv = torch.mm(flat, hand.kv_weight.t()).view(-1, L, 2 * H * D)
         k_proj, v_proj = kv[..., : H * D], kv[..., H * D :]
         norm = [hand.k_norm_weight] if hand.k_norm_weight is not None else []

@@ -44,7 +44,7 @@ def _dump_guide(dump_dir: str) -> list[str]:
     """Which files of a dump directory to open, for what (only those that exist)."""
     entries = [
         ("fx_fusion_graph_before.txt", "the rewritten region(s) of the post-grad graph, before the pass"),
-        ("fx_fusion_graph_after.txt", "the same region(s) after the pass: stacked_linear + materialize_k"),
+        ("fx_fusion_graph_after.txt", "the same region(s) after the pass: grouped_linear + materialize_k"),
         ("fx_fusion_full_graph*_before.py", "the whole post-grad graph right before the pass"),
         ("fx_fusion_full_graph*_after.py", "the whole post-grad graph right after the pass"),
         ("fx_fusion_report.txt", "this report (and fx_fusion_report.json)"),

@@ -32,7 +32,7 @@ def node_location(node: torch.fx.Node) -> str:
 
 @dataclasses.dataclass
 class FusedGroup:
-    """One group of layers rewritten into a stacked GEMM plus one fused materialization op."""
+    """One group of layers rewritten into a grouped GEMM plus one fused materialization op."""
 
     n_layers: int
     num_kv_heads: int
@@ -41,7 +41,7 @@ class FusedGroup:
     rotary_style: str  # "neox" or "interleaved"
     k_norm: bool
     bias: bool
-    v_as_view: int  # how many V projections now read a view of the stacked GEMM output
+    v_as_view: int  # how many V projections now read a view of the grouped GEMM output
     layers: list[str]  # source location of each absorbed layer's K projection
     rotary_matmuls_as_mul: int = 0  # outer-product matmuls of the cos/sin angles computed as multiplies
     # "per-token cos/sin" shared by the layers, "per-layer cos/sin" (each layer its own tables), or "cos/sin
@@ -72,6 +72,8 @@ class PassRecord:
     graph_before: str = ""  # the rewritten region(s), before
     graph_after: str = ""  # and after
     stage: str = "post_grad"
+    ops_inlined: int = 0  # fused op calls replaced by their traced bodies (op_lowering)
+    ops_kept: list[str] = dataclasses.field(default_factory=list)  # op calls left opaque, with the reason
     # copies of the whole graph right before and after the pass, kept only while RecordSink asks for them
     full_graph_before: Optional[torch.fx.Graph] = dataclasses.field(default=None, repr=False, compare=False)
     full_graph_after: Optional[torch.fx.Graph] = dataclasses.field(default=None, repr=False, compare=False)
@@ -82,6 +84,10 @@ class PassRecord:
             f"fx_fusion: fused {len(self.fused_groups)} K/V group(s) ({fused} layers), "
             f"left {len(self.rejected)} candidate(s) alone"
         )
+        if self.ops_inlined:
+            text += f", {self.ops_inlined} fused op call(s) handed to Inductor as code"
+        if self.ops_kept:
+            text += f", {len(self.ops_kept)} kept as op call(s) ({self.ops_kept[0]})"
         if self.rejected:
             text += ": " + "; ".join(f"{r.location}: {r.reason}" for r in self.rejected[:3])
             if len(self.rejected) > 3:

@@ -64,7 +64,7 @@ def _json_safe(value: Any) -> Any:
 class FusionReport:
     """What the fused K/V pass did in one compile (every graph it ran on, together).
 
-    fused_groups  groups of layers rewritten into one stacked GEMM + one fused materialization op
+    fused_groups  groups of layers rewritten into one grouped GEMM + one fused materialization op
     rejected      K/V candidates the pass left alone, with where they are and why
     graph_before  readable code of the rewritten region(s) of the post-grad graph before the pass
     graph_after   the same region(s) after the pass
@@ -389,9 +389,8 @@ def explain(
 
     Nothing global changes: Inductor's configuration is patched only during the call (with its FX graph and
     AOTAutograd caches off, so the pass really runs), and the compiled code never serves the caller's own
-    later `torch.compile` of the same module or function. What the call does to the module is what the
-    compiled module does: the pass stacks the K/V projection weights once, re-homing the parameters onto
-    one buffer (same values, same objects).
+    later `torch.compile` of the same module or function. The module itself is left as it was: the fused
+    code reads every parameter where it lives.
     """
     options = dict(backend_options or {})
     fn = _unwrap(fn_or_module)

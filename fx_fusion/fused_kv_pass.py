@@ -1,4 +1,4 @@
-"""FusedKVPass: rewrite per-layer K/V context materialization into one stacked GEMM + one fused op.
+"""FusedKVPass: rewrite per-layer K/V context materialization into one grouped GEMM + one fused op.
 
 Matches (post-grad ATen graph, or the joint graph before freezing): L >= min_layers K branches that read
 the same hidden states x, each
@@ -10,7 +10,7 @@ the same hidden states x, each
 with H, D, rotary dim and style, norm form, eps and cos/sin the same across the group, plus the other
 linears on x with the same output width (the V projections). It replaces them with
 
-    proj  = fx_fusion.stacked_linear(x2d, [Wk_0..Wk_L-1, Wv_0..], [biases])    # one GEMM
+    proj  = fx_fusion.grouped_linear(x2d, [Wk_0..Wk_L-1, Wv_0..], [biases])    # [N, all columns]
     k_all = fx_fusion.materialize_k(proj columns as [N, L, H*D], norm weights, eps, cos/sin tables,
                                     or the cos/sin cache + positions they were gathered from)
     k_l   = k_all[l] re-laid out exactly as the original branch laid out its K
@@ -34,8 +34,12 @@ Why every accepted region equals the fused op:
 Results equal the spelled graph up to rounding: the op computes in float32 and rounds where the matched
 norm form rounds and once after the rotation.
 
-Weights are stacked once, by re-homing the parameters onto the stacked buffer (see
-kernels/stacked_params), so in-place weight updates stay visible and nothing is copied per call.
+No weight is stacked, copied or moved: grouped_linear reads every projection weight where it lives, so
+parameters, their storage and state_dict stay the user's, and in-place updates are seen by the next call.
+With Inductor freezing (the pass then runs on the joint graph) the weights are constants anyway: the
+grouped GEMM is spelled as one mm over their concatenation, which freezing folds into one constant.
+Afterwards every fused op call is replaced by its traced body (op_lowering), so Inductor launches the
+Triton kernels itself (or, off CUDA, compiles the op's math with the rest of the graph).
 """
 
 from __future__ import annotations
@@ -53,9 +57,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import fx_fusion.kernels.ops  # noqa: F401  (registers fx_fusion::materialize_*)
-import fx_fusion.kernels.stacked_linear  # noqa: F401  (registers fx_fusion::stacked_linear)
+import fx_fusion.kernels.grouped_linear  # noqa: F401  (registers fx_fusion::grouped_linear)
 
-from . import kv_patterns, rotary_action, rotary_angles
+from . import kv_patterns, op_lowering, rotary_action, rotary_angles
 from .diagnostics import FusedGroup, PassRecord, RecordSink, Rejection, node_location
 from .kv_patterns import KBranch, NoMatch, Projection, is_call, val
 from . import values
@@ -69,22 +73,25 @@ prims = torch.ops.prims
 class FusedKVPass(CustomGraphPass):
     """Inductor custom graph pass; use as `post_grad_custom_post_pass` (or via backend="fx_fusion")."""
 
-    def __init__(self, min_layers: int = 2, enabled: bool = True, stage: str = "post_grad"):
+    def __init__(self, min_layers: int = 2, enabled: bool = True, stage: str = "post_grad", inline_ops: bool = True):
         if min_layers < 1:
             raise ValueError(f"min_layers must be >= 1, got {min_layers}")
         self.min_layers = min_layers
         self.enabled = enabled
         self.stage = stage  # "post_grad", or "joint" when installed before Inductor freezing
+        self.inline_ops = inline_ops  # hand the fused ops to Inductor as code (op_lowering)
         self.records: list[PassRecord] = []
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         if not self.enabled:
             return
         before = copy.deepcopy(graph) if RecordSink.keep_graphs else None
-        record = fuse_kv_groups(graph, self.min_layers)
+        record = fuse_kv_groups(graph, self.min_layers, stack_weights_in_graph=self.stage == "joint")
         record.stage = self.stage
-        if before is not None:
+        if before is not None:  # the rewrite as the report shows it: fused op calls, not yet inlined
             record.full_graph_before, record.full_graph_after = before, copy.deepcopy(graph)
+        if self.inline_ops:
+            record.ops_inlined, record.ops_kept = op_lowering.lower_fused_ops(graph)
         self.records.append(record)
         RecordSink.emit(record)
 
@@ -96,10 +103,13 @@ class FusedKVPass(CustomGraphPass):
             rotary_action.__file__,
             rotary_angles.__file__,
             values.__file__,
+            op_lowering.__file__,
             fx_fusion.kernels.ops.__file__,
-            fx_fusion.kernels.stacked_linear.__file__,
+            fx_fusion.kernels.fused_kv_materialize.__file__,
+            fx_fusion.kernels.grouped_linear.__file__,
+            fx_fusion.kernels.grouped_gemv.__file__,
         )
-        options = f"min_layers={self.min_layers},enabled={self.enabled},stage={self.stage}"
+        options = f"min_layers={self.min_layers},enabled={self.enabled},stage={self.stage},inline={self.inline_ops}"
         return get_hash_for_files(files, extra=options)
 
 
@@ -227,7 +237,9 @@ def _find_candidates(graph: torch.fx.Graph, record: PassRecord, same_value: Valu
     return by_input.values()
 
 
-def fuse_kv_groups(graph: torch.fx.Graph, min_layers: int = 2) -> PassRecord:
+def fuse_kv_groups(graph: torch.fx.Graph, min_layers: int = 2, stack_weights_in_graph: bool = False) -> PassRecord:
+    """Find, group and rewrite (module docstring). `stack_weights_in_graph`: spell the grouped GEMM as one
+    mm over `cat(weights)` in the graph, for Inductor freezing to fold into one constant (no op call)."""
     record = PassRecord()
     fake_mode = _fake_mode(graph)
     same_value = ValueKeys()
@@ -265,7 +277,7 @@ def fuse_kv_groups(graph: torch.fx.Graph, min_layers: int = 2) -> PassRecord:
                 and not p.weight_transposed
             ]
             try:
-                group = _rewrite_group(graph, fake_mode, members, extra, record, same_value)
+                group = _rewrite_group(graph, fake_mode, members, extra, record, same_value, stack_weights_in_graph)
             except Exception as error:  # never fail a compile: leave the group as it was, say why
                 reason = str(error) if isinstance(error, NoMatch) else f"could not be fused ({type(error).__name__}: {error})"
                 logger.debug("fx_fusion: group left alone", exc_info=True)
@@ -461,7 +473,21 @@ def _rotary_tables(builder: _GraphBuilder, branches: list[KBranch], hidden: torc
     return tuple(builder.call(aten.cat.default, [pair[i] for pair in per_branch]) for i in (0, 1))
 
 
-def _rewrite_group(graph, fake_mode, branches: list[KBranch], extra: list[Projection], record, same_value) -> FusedGroup:
+def _grouped_gemm(builder: _GraphBuilder, x2d, weights: list, biases: list, stack_in_graph: bool) -> torch.fx.Node:
+    """x2d @ cat(weights).T (+ cat(biases)): our grouped_linear op, which reads every weight where it lives,
+    or, for Inductor freezing, an mm over weights concatenated in the graph, which freezing folds into
+    one constant (what its own concat-linear pass does)."""
+    if not stack_in_graph or len(biases) not in (0, len(weights)):
+        return builder.call(torch.ops.fx_fusion.grouped_linear.default, x2d, weights, biases)
+    stacked = builder.call(aten.permute.default, builder.call(aten.cat.default, weights), [1, 0])
+    if biases:
+        return builder.call(aten.addmm.default, builder.call(aten.cat.default, biases), x2d, stacked)
+    return builder.call(aten.mm.default, x2d, stacked)
+
+
+def _rewrite_group(
+    graph, fake_mode, branches: list[KBranch], extra: list[Projection], record, same_value, stack_in_graph: bool
+) -> FusedGroup:
     branches = sorted(branches, key=lambda b: list(graph.nodes).index(b.projection.node))
     first = branches[0]
     projections: list[Projection] = []
@@ -521,7 +547,7 @@ def _rewrite_group(graph, fake_mode, branches: list[KBranch], extra: list[Projec
         with graph.inserting_after(_insertion_point(graph, inputs)):
             weights = [w for p in projections for w in p.weights]
             biases = [b for p in projections for b in p.biases]
-            proj = builder.call(torch.ops.fx_fusion.stacked_linear.default, x2d, weights, biases)
+            proj = _grouped_gemm(builder, x2d, weights, biases, stack_in_graph)
             k_block = builder.call(aten.slice.Tensor, proj, 1, block_start, block_start + n_layers * step)
             k_block = builder.call(aten.view.default, k_block, [-1, n_layers, step])
             if head_stride == head_dim:  # [tokens, n_layers, kv_size]
@@ -532,6 +558,9 @@ def _rewrite_group(graph, fake_mode, branches: list[KBranch], extra: list[Projec
                 k_proj = builder.call(aten.slice.Tensor, k_proj, 2, first_head, first_head + num_heads)
                 within = col_start % head_stride
                 k_proj = builder.call(aten.slice.Tensor, k_proj, 3, within, within + head_dim)
+            if len(norm_weights) > 1:  # one [n_layers, head_dim] table; the parameters stay where they are
+                rows = [builder.call(aten.reshape.default, w, [-1, head_dim]) for w in norm_weights]
+                norm_weights = [builder.call(aten.cat.default, rows)]
             eps_value, eps_tensor = 0.0, None
             if first.norm is not None:
                 if eps_nodes:  # eps arrives as a tensor (dynamic floats): gather one per layer

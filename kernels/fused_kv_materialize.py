@@ -1,6 +1,6 @@
 """Stacked K/V materialization for multi-layer drafts: per-head RMSNorm + RoPE on K, copy of V.
 
-After one stacked GEMM over the K/V projection weights of `n_layers` layers, the projections of every
+After one grouped GEMM over the K/V projection weights of `n_layers` layers, the projections of every
 layer sit side by side:
 
     k_proj: [total_ctx, n_layers, num_kv_heads * head_dim]   (any strides, e.g. kv[..., :kv_size])
@@ -293,11 +293,14 @@ def _table_strides(table: torch.Tensor) -> tuple[int, int, int]:
 def default_launch_config(rows_per_layer: int, head_dim: int) -> tuple[int, int]:
     """(BLOCK_ROWS, num_warps) for `rows_per_layer` = total_ctx * num_kv_heads rows of `head_dim`.
 
-    About 4096 elements of K (and as many of V) per program, fewer rows when there are few; no autotuning,
+    About 4096 elements of K (and as many of V) per program, fewer rows when there are few (known sizes
+    only); no autotuning,
     so the choice is a pure function of the shapes (safe under CUDA-graph capture and dynamic shapes).
     """
     head_pad = triton.next_power_of_2(head_dim)
-    block_rows = max(1, min(4096 // head_pad, triton.next_power_of_2(rows_per_layer)))
+    block_rows = 4096 // head_pad
+    if not isinstance(rows_per_layer, torch.SymInt):  # a symbolic size (traced, dynamic) keeps the full tile
+        block_rows = max(1, min(block_rows, triton.next_power_of_2(rows_per_layer)))
     num_warps = max(1, min(4, block_rows * head_pad // 1024))
     return block_rows, num_warps
 
@@ -322,6 +325,7 @@ def launch_fused_kv_materialize(
     norm_round_before_rope: bool,
     *,
     interpret: bool = False,
+    traceable: bool = False,
     block_rows: int | None = None,
     num_warps: int | None = None,
 ) -> None:
@@ -336,7 +340,8 @@ def launch_fused_kv_materialize(
     multiplies by norm_weight + norm_weight_offset, rounding once (norm_weight_in_float32) or twice (module
     docstring), and rounds the normalised K before RoPE unless `norm_round_before_rope` is False (float32
     through RoPE; only meaningful with norm_weight_in_float32). `interpret` runs the kernel through Triton's
-    interpreter (CPU tensors). `block_rows` / `num_warps` override the launch heuristic (tuning only).
+    interpreter (CPU tensors); `traceable` launches through `torch.library.wrap_triton`, so that tracing
+    records the launch for Inductor. `block_rows` / `num_warps` override the launch heuristic (tuning only).
     """
     total_ctx, n_layers = k_proj.shape[:2]
     num_rows = total_ctx * num_kv_heads
@@ -400,6 +405,8 @@ def launch_fused_kv_materialize(
     if interpret:
         with _interpretable_tl_sum():
             fused_kv_materialize_kernel_interpreted[grid](*args, **meta)
+    elif traceable:  # Triton launches on the tensors' device once Inductor runs it
+        torch.library.wrap_triton(fused_kv_materialize_kernel)[grid](*args, **meta)
     elif k_proj.device.index == torch.cuda.current_device():
         fused_kv_materialize_kernel[grid](*args, **meta)
     else:  # Triton launches on the current device
@@ -438,6 +445,44 @@ def _rotate_partner(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
+def materialized_k_torch(
+    k_proj: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    eps: torch.Tensor | None,
+    eps_value: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    interleaved: bool,
+    norm_weight_offset: float,
+    norm_weight_in_float32: bool,
+    norm_round_before_rope: bool,
+) -> torch.Tensor:
+    """The kernel's K math in PyTorch (all layers at once): a [n_layers, total_ctx, H, D] view in k_proj's
+    dtype. Arguments as for `launch_fused_kv_materialize`."""
+    n_layers = k_proj.shape[1]
+    out_dtype = k_proj.dtype
+    k = as_heads(k_proj, num_kv_heads, head_dim).float()  # [T, L, H, D]
+    if norm_weight is not None:
+        eps_per_layer = eps.float().view(1, n_layers, 1, 1) if eps is not None else eps_value
+        inv_rms = torch.rsqrt(k.square().mean(dim=-1, keepdim=True) + eps_per_layer)
+        weight = norm_weight.float().view(1, n_layers, 1, head_dim) + norm_weight_offset
+        normed = k * inv_rms
+        if not norm_weight_in_float32:
+            normed = normed.to(out_dtype).float()
+        k = normed * weight
+        if norm_round_before_rope:
+            k = k.to(out_dtype).float()
+    cos_t, sin_t = _rope_cos_sin(cos, sin, positions, rotary_dim, interleaved)
+    rot = k[..., :rotary_dim]
+    rotated = rot * cos_t + _rotate_partner(rot, interleaved) * sin_t
+    k = torch.cat([rotated, k[..., rotary_dim:]], dim=-1)
+    return k.to(out_dtype).transpose(0, 1)
+
+
 def fused_kv_materialize_torch(
     k_proj: torch.Tensor,
     v_proj: torch.Tensor | None,
@@ -457,24 +502,12 @@ def fused_kv_materialize_torch(
     norm_weight_in_float32: bool,
     norm_round_before_rope: bool,
 ) -> None:
-    """The kernel's math in PyTorch, same arguments as `launch_fused_kv_materialize` (all layers at once)."""
-    n_layers = k_proj.shape[1]
-    out_dtype = k_out.dtype
-    k = as_heads(k_proj, num_kv_heads, head_dim).float()  # [T, L, H, D]
-    if norm_weight is not None:
-        eps_per_layer = eps.float().view(1, n_layers, 1, 1) if eps is not None else eps_value
-        inv_rms = torch.rsqrt(k.square().mean(dim=-1, keepdim=True) + eps_per_layer)
-        weight = norm_weight.float().view(1, n_layers, 1, head_dim) + norm_weight_offset
-        normed = k * inv_rms
-        if not norm_weight_in_float32:
-            normed = normed.to(out_dtype).float()
-        k = normed * weight
-        if norm_round_before_rope:
-            k = k.to(out_dtype).float()
-    cos_t, sin_t = _rope_cos_sin(cos, sin, positions, rotary_dim, interleaved)
-    rot = k[..., :rotary_dim]
-    rotated = rot * cos_t + _rotate_partner(rot, interleaved) * sin_t
-    k = torch.cat([rotated, k[..., rotary_dim:]], dim=-1)
-    k_out.copy_(k.transpose(0, 1))
+    """The kernel's math in PyTorch, same arguments as `launch_fused_kv_materialize`, written into k_out/v_out."""
+    k_out.copy_(
+        materialized_k_torch(
+            k_proj, norm_weight, eps, eps_value, cos, sin, positions, num_kv_heads, head_dim, rotary_dim,
+            interleaved, norm_weight_offset, norm_weight_in_float32, norm_round_before_rope,
+        )  # fmt: skip
+    )
     if v_proj is not None:
         v_out.copy_(as_heads(v_proj, num_kv_heads, head_dim).transpose(0, 1))

@@ -2,7 +2,7 @@
 
 Ops (namespace `fx_fusion`), all backed by one kernel (`fused_kv_materialize.py`). Common leading arguments:
 
-    k_proj         [total_ctx, n_layers, num_kv_heads*head_dim], any strides (a view of a stacked GEMM output),
+    k_proj         [total_ctx, n_layers, num_kv_heads*head_dim], any strides (a view of a grouped GEMM output),
                    or [total_ctx, n_layers, num_kv_heads, head_dim], any strides (heads need not be adjacent:
                    e.g. the K heads of a QKV output laid out per query group); the 3-D form is read as its
                    view `k_proj.unflatten(-1, (num_kv_heads, head_dim))`
@@ -46,8 +46,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from .fused_kv_materialize import fused_kv_materialize_torch, launch_fused_kv_materialize
-from .stacked_params import concatenated_view
+from .fused_kv_materialize import fused_kv_materialize_torch, launch_fused_kv_materialize, materialized_k_torch
 
 SUPPORTED_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SUPPORTED_POSITION_DTYPES = (torch.int32, torch.int64)
@@ -403,12 +402,13 @@ def _new_output(common: tuple) -> torch.Tensor:
 def _stacked_norm_weight(
     k_norm_weight: Sequence[torch.Tensor], n_layers: int, head_dim: int
 ) -> Optional[torch.Tensor]:
-    """[n_layers, head_dim] view of the K-norm weights (stacked once, no per-call copy), or None."""
+    """[n_layers, head_dim] K-norm weights, or None; separate per-layer weights are gathered per call
+    (n_layers * head_dim elements: the parameters themselves are never moved or re-homed)."""
     if not k_norm_weight:
         return None
     if len(k_norm_weight) == 1 and k_norm_weight[0].dim() == 2:
         return k_norm_weight[0]
-    return concatenated_view(k_norm_weight).view(n_layers, head_dim)
+    return torch.stack(list(k_norm_weight)).view(n_layers, head_dim)
 
 
 def _run_triton(*args) -> None:
@@ -457,6 +457,27 @@ def _materialize_kv_out(backend, *args) -> None:
     common, (v_proj, k_out, v_out) = args[:-3], args[-3:]
     _validate(common, v_proj, k_out, v_out)
     _launch(backend, common, v_proj, k_out, v_out)
+
+
+def materialize_k_body(*common) -> torch.Tensor:
+    """What `fx_fusion.op_lowering` traces in place of a materialize_k call: on CUDA the Triton kernel
+    launched through `torch.library.wrap_triton` (Inductor launches it from its generated code), elsewhere the
+    same math in PyTorch ops (Inductor compiles it with the rest of the graph)."""
+    _validate(common)
+    c = CommonArgs(*common)
+    norm_weight = _stacked_norm_weight(c.k_norm_weight, c.k_proj.shape[1], c.head_dim)
+    if not c.k_proj.is_cuda:
+        return materialized_k_torch(
+            c.k_proj, norm_weight, c.eps, c.eps_value, c.cos, c.sin, c.positions, c.num_kv_heads, c.head_dim,
+            c.rotary_dim, c.interleaved, c.norm_weight_offset, c.norm_weight_in_float32, c.norm_round_before_rope,
+        )  # fmt: skip
+    k_out = _new_output(common)
+    launch_fused_kv_materialize(
+        c.k_proj, None, norm_weight, c.eps, c.eps_value, c.cos, c.sin, c.positions, k_out, None,
+        c.num_kv_heads, c.head_dim, c.rotary_dim, c.interleaved, c.norm_weight_offset, c.norm_weight_in_float32,
+        c.norm_round_before_rope, traceable=True,
+    )  # fmt: skip
+    return k_out
 
 
 # Defined with the low-level torch.library API (schemas, per-device implementations, fake kernels): the

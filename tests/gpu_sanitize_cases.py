@@ -1,4 +1,4 @@
-"""CUDA cases of the stacked K/V materialization kernel, sized for a memory checker.
+"""CUDA cases of the K/V materialization and grouped GEMV kernels, sized for a memory checker.
 
     compute-sanitizer --tool memcheck python tests/gpu_sanitize_cases.py
 
@@ -18,6 +18,7 @@ import torch
 
 from test_fused_kv_op import Case, check_all_variants, make_inputs, reference, assert_close_to_reference
 
+from fx_fusion.kernels.grouped_gemv import grouped_gemv_supported, grouped_linear_reference, launch_grouped_gemv
 from fx_fusion.kernels.ops import fused_norm_rope_stacked
 
 CASES = {
@@ -65,6 +66,32 @@ def strided_positions() -> None:
     assert_close_to_reference(k_out, reference(case, inputs)[0], case.dtype)
 
 
+def grouped_gemv(n: int, rows: int, hidden: int, n_weights: int, dtype: torch.dtype, bias: bool, strided: bool) -> None:
+    """The grouped GEMV kernel on shapes with tails (tokens, rows, hidden), more weights than one launch
+    takes, a transposed x and weights cut from a wider parameter, into a column slice of a poisoned buffer."""
+    torch.manual_seed(n * 7 + rows)
+    parent = torch.randn(n_weights, rows, hidden + (5 if strided else 0), device="cuda", dtype=dtype)
+    weights = [parent[i, :, :hidden] for i in range(n_weights)]
+    biases = [torch.randn(rows, device="cuda", dtype=dtype) for _ in range(n_weights)] if bias else []
+    x = torch.randn(hidden, n, device="cuda", dtype=dtype).t() if strided else torch.randn(n, hidden, device="cuda", dtype=dtype)
+    buffer = torch.full((n, n_weights * rows + 3), float("nan"), device="cuda", dtype=dtype)
+    out = buffer[:, 1 : 1 + n_weights * rows]
+    assert grouped_gemv_supported(x, weights, biases, out)
+    launch_grouped_gemv(x, weights, biases, out)
+    expected = grouped_linear_reference(x, weights, biases)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance * hidden**0.5)
+    assert buffer[:, 0].isnan().all() and buffer[:, -2:].isnan().all(), "wrote outside out"
+
+
+GEMV_CASES = {
+    "gemv-one-token-tails": dict(n=1, rows=40, hidden=1000, n_weights=3, dtype=torch.bfloat16, bias=False, strided=False),
+    "gemv-3-tokens-bias-strided": dict(n=3, rows=48, hidden=777, n_weights=5, dtype=torch.float16, bias=True, strided=True),
+    "gemv-17-tokens-dot-tails": dict(n=17, rows=72, hidden=300, n_weights=2, dtype=torch.bfloat16, bias=True, strided=False),
+    "gemv-64-tokens-fp32-18-weights": dict(n=64, rows=16, hidden=96, n_weights=18, dtype=torch.float32, bias=False, strided=True),
+}
+
+
 def check_on_cuda(case: Case) -> None:
     check_all_variants(case, make_inputs(case, "cuda"))
 
@@ -77,6 +104,7 @@ def main() -> int:
     checks = {name: functools.partial(check_on_cuda, case) for name, case in CASES.items()}
     checks["compiled-out-of-range-positions"] = compiled_out_of_range_positions
     checks["strided-positions"] = strided_positions
+    checks.update({name: functools.partial(grouped_gemv, **shape) for name, shape in GEMV_CASES.items()})
     for name, check in checks.items():
         try:
             check()

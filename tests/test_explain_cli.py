@@ -132,7 +132,7 @@ def test_explain_qwen3_fused_group(qwen3_case):
     # the readable regions: per-layer mm + norm before, one stacked GEMM + one fused op after
     assert report.graph_before.count("torch.ops.aten.mm.default(") == 6
     assert "rsqrt" in report.graph_before
-    assert report.graph_after.count("torch.ops.fx_fusion.stacked_linear.default(") == 1
+    assert report.graph_after.count("torch.ops.fx_fusion.grouped_linear.default(") == 1
     assert report.graph_after.count("torch.ops.fx_fusion.materialize_k.default(") == 1
     assert "aten.mm" not in report.graph_after
     assert _rel_err(report.output, ref) < 1e-5
@@ -210,7 +210,7 @@ def test_explain_dump_without_depyf_writes_own_files(llama_case):
         ]
     )
     with open(os.path.join(dump_dir, "fx_fusion_graph_after.txt")) as f:
-        assert "fx_fusion.stacked_linear" in f.read()
+        assert "fx_fusion.grouped_linear" in f.read()
     with open(os.path.join(dump_dir, "fx_fusion_full_graph0_after.py")) as f:
         assert "fx_fusion.materialize_k" in f.read()
     with open(os.path.join(dump_dir, "fx_fusion_report.json")) as f:

@@ -1,0 +1,297 @@
+"""GPU benchmark of the grouped GEMV kernel against per-weight and pre-concatenated cuBLAS GEMMs.
+
+    python benchmarks/bench_grouped_gemv.py [--workloads qwen3-8b-dflash,qwen3-1layer] [--tokens 1,16]
+                                            [--peak-bw 4.8e12] [--configs 16:0:0:0] [--out bench_grouped_gemv.json]
+
+Workloads (the K/V projections of fx_fusion.drafts.WORKLOADS, realistic preset: hidden 4096, 8 KV heads x
+128; k_proj and v_proj per layer, so G = 2 * layers weights of [1024, 4096], no bias by default):
+
+    qwen3-8b-dflash   G = 10  (5 layers)
+    llama3-8b-ctx     G = 10  (5 layers; the same projection shapes as qwen3-8b-dflash)
+    qwen3-1layer      G = 2   (1 layer)
+
+Each weight is its own allocation (as the parameters of separate modules are). Columns, microseconds per
+call (x [N, 4096] -> out [N, G * 1024], one preallocated out):
+
+    grouped      launch_grouped_gemv(x, weights, biases, out): one launch per 16 weights, weights read in place
+    per_weight   torch.mm(x, w_i.t(), out=out[:, i*R:(i+1)*R]) for every i (torch.addmm with --bias)
+    concat       torch.mm(x, w_cat.t(), out=out), w_cat pre-concatenated once (a reference: it needs a second
+                 copy of the weights)
+    cfg[T:N:K:W] launch_grouped_gemv with BLOCK_T:BLOCK_N:BLOCK_K:num_warps overrides (--configs; 0 keeps the
+                 heuristic's value), for tuning
+    floor        bytes(all weights (+ biases) + x + out) / --peak-bw (B/s; 4.8e12 = H200 HBM3e spec)
+
+Timing: every candidate is captured once in a torch.cuda.CUDAGraph (after warm-up), the graph is replayed
+--replays times between two CUDA events, and the median over --repeats such runs is reported. So that the
+weights come from HBM and not from L2, the graph runs the candidate over enough distinct copies of the
+inputs (weights, x, out) to exceed --rotate-bytes, and the time is divided by the number of copies.
+
+Before timing, every candidate's output (NaN-poisoned first) is checked against `concat` (relative
+Frobenius error < 1e-2, all elements written); a failing candidate is marked FAIL and not timed. N above
+grouped_gemv.MAX_TOKENS (64) is still timed (the launcher takes any N) but the dispatcher would not pick
+the kernel there; such rows are marked. Prints a table and writes JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+
+from fx_fusion import cuda_graphs
+from fx_fusion.kernels.grouped_gemv import (
+    MAX_TOKENS,
+    default_launch_config,
+    grouped_gemv_unsupported_reason,
+    launch_grouped_gemv,
+)
+
+HIDDEN, KV_SIZE = 4096, 8 * 128
+WORKLOADS = {  # name: number of weights [KV_SIZE, HIDDEN] (k_proj and v_proj of every layer)
+    "qwen3-8b-dflash": 10,
+    "llama3-8b-ctx": 10,
+    "qwen3-1layer": 2,
+}
+DEFAULT_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TOLERANCE = 1e-2
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+class Inputs:
+    """One copy of a call's tensors: x, the separate weights (and biases), their concatenation, out."""
+
+    def __init__(self, n: int, g: int, dtype: torch.dtype, bias: bool, device: torch.device, gen: torch.Generator):
+        def randn(*shape: int) -> torch.Tensor:
+            return (torch.randn(*shape, generator=gen, device=device) * 0.05).to(dtype)
+
+        self.x = randn(n, HIDDEN)
+        self.weights = [randn(KV_SIZE, HIDDEN) for _ in range(g)]
+        self.biases = [randn(KV_SIZE) for _ in range(g)] if bias else []
+        self.w_cat = torch.cat(self.weights)
+        self.b_cat = torch.cat(self.biases) if bias else None
+        self.out = torch.empty(n, g * KV_SIZE, dtype=dtype, device=device)
+        self.out_slices = [self.out[:, i * KV_SIZE : (i + 1) * KV_SIZE] for i in range(g)]
+
+
+def make_candidates(configs: list[tuple[int, int, int, int]]) -> dict[str, Callable[[Inputs], None]]:
+    def grouped(t: Inputs) -> None:
+        launch_grouped_gemv(t.x, t.weights, t.biases, t.out)
+
+    def per_weight(t: Inputs) -> None:
+        for i, (w, o) in enumerate(zip(t.weights, t.out_slices)):
+            if t.biases:
+                torch.addmm(t.biases[i], t.x, w.t(), out=o)
+            else:
+                torch.mm(t.x, w.t(), out=o)
+
+    def concat(t: Inputs) -> None:
+        if t.b_cat is not None:
+            torch.addmm(t.b_cat, t.x, t.w_cat.t(), out=t.out)
+        else:
+            torch.mm(t.x, t.w_cat.t(), out=t.out)
+
+    candidates: dict[str, Callable[[Inputs], None]] = {"grouped": grouped, "per_weight": per_weight, "concat": concat}
+    for cfg in configs:
+        overrides = {k: v for k, v in zip(("block_t", "block_n", "block_k", "num_warps"), cfg) if v}
+
+        def tuned(t: Inputs, overrides=overrides) -> None:
+            launch_grouped_gemv(t.x, t.weights, t.biases, t.out, **overrides)
+
+        candidates["cfg[" + ":".join(map(str, cfg)) + "]"] = tuned
+    return candidates
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    ref32 = ref.float()
+    err = (out.float() - ref32).norm().item() / max(ref32.norm().item(), 1e-30)
+    return err if math.isfinite(err) else float("inf")
+
+
+def time_graph(replay: Callable[[], Any], calls_per_replay: int, replays: int, repeats: int) -> float:
+    """Median over `repeats` runs of `replays` back-to-back graph replays: microseconds per call."""
+    replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (replays * calls_per_replay))
+    return statistics.median(times)
+
+
+def bench_row(name: str, g: int, n: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    dtype = DTYPES[args.dtype]
+    elt = torch.finfo(dtype).bits // 8
+    weight_bytes = g * KV_SIZE * (HIDDEN + (1 if args.bias else 0)) * elt
+    nbytes = weight_bytes + n * HIDDEN * elt + n * g * KV_SIZE * elt
+    copies = max(1, math.ceil(args.rotate_bytes / nbytes))
+    gen = torch.Generator(device=device).manual_seed(0)
+    sets = [Inputs(n, g, dtype, args.bias, device, gen) for _ in range(copies)]
+    first = sets[0]
+    row: dict[str, Any] = {
+        "workload": name,
+        "N": n,
+        "G": g,
+        "R": KV_SIZE,
+        "K": HIDDEN,
+        "dtype": args.dtype,
+        "bias": args.bias,
+        "bytes": nbytes,
+        "copies": copies,
+        "floor_us": nbytes / args.peak_bw * 1e6,
+        "grouped_supported": grouped_gemv_unsupported_reason(first.x, first.weights, first.biases, first.out) is None,
+        "grouped_config": default_launch_config(n, KV_SIZE, HIDDEN, min(g, 16), dtype, device),
+        "times_us": {},
+        "errors": {},
+    }
+    candidates = make_candidates(args.configs)
+    # Reference: the concatenated GEMM.
+    candidates["concat"](first)
+    ref = first.out.clone()
+    for cname, fn in candidates.items():
+        try:
+            first.out.fill_(float("nan"))
+            fn(first)
+            torch.cuda.synchronize()
+            err = rel_error(first.out, ref)
+            row["errors"][cname] = err
+            if not err < TOLERANCE:
+                log(f"  {name} N={n} {cname}: FAIL (relative error {err:.3g})")
+                row["times_us"][cname] = "FAIL"
+                continue
+
+            def run_all(fn=fn) -> None:
+                for t in sets:
+                    fn(t)
+
+            replay = cuda_graphs.capture(run_all)
+            row["times_us"][cname] = time_graph(replay, copies, args.replays, args.repeats)
+            del replay
+        except (RuntimeError, ValueError, AssertionError) as exc:  # a candidate that cannot run shows "-"
+            # (Triton compile errors and CUDA errors are RuntimeErrors; bad --configs give ValueError/AssertionError)
+            text = str(exc).splitlines()
+            log(f"  {name} N={n} {cname}: {type(exc).__name__}: {text[0][:200] if text else ''}")
+            row["times_us"][cname] = None
+    return row
+
+
+def fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.1f}"
+    return "-" if value is None else str(value)
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    header = ["workload", "N", *columns, "floor", "grouped/floor", "per_weight/grouped", "config"]
+    log("| " + " | ".join(header) + " |")
+    log("|" + "---|" * len(header))
+    for row in rows:
+        times = row["times_us"]
+        grouped = times.get("grouped")
+        ratio = f"{grouped / row['floor_us']:.2f}" if isinstance(grouped, float) else "-"
+        per_weight = times.get("per_weight")
+        speedup = f"{per_weight / grouped:.2f}" if isinstance(grouped, float) and isinstance(per_weight, float) else "-"
+        cfg = row["grouped_config"]
+        config = f"T{cfg['BLOCK_T']} N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} W{cfg['num_warps']}"
+        n = f"{row['N']}" + ("" if row["grouped_supported"] else "*")
+        cells = [
+            row["workload"],
+            n,
+            *(fmt(times.get(c)) for c in columns),
+            f"{row['floor_us']:.1f}",
+            ratio,
+            speedup,
+            config,
+        ]
+        log("| " + " | ".join(cells) + " |")
+    log(f"(* N > MAX_TOKENS = {MAX_TOKENS}: grouped_gemv_supported refuses it; timed anyway)")
+
+
+def parse_configs(text: str) -> list[tuple[int, int, int, int]]:
+    configs = []
+    for item in filter(None, text.split(",")):
+        parts = [int(p) for p in item.split(":")]
+        if len(parts) != 4:
+            raise argparse.ArgumentTypeError(f"config {item!r}: expected BLOCK_T:BLOCK_N:BLOCK_K:num_warps")
+        configs.append(tuple(parts))
+    return configs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, of: " + ", ".join(WORKLOADS))
+    parser.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="comma-separated N values")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--bias", action="store_true", help="give every weight a bias")
+    parser.add_argument("--peak-bw", type=float, default=4.8e12, help="bytes/s for the floor (default: H200, 4.8e12)")
+    parser.add_argument("--replays", type=int, default=50, help="graph replays per timed run")
+    parser.add_argument("--repeats", type=int, default=7, help="timed runs; the median is reported")
+    parser.add_argument(
+        "--rotate-bytes", type=float, default=256 * 2**20, help="inputs rotated through per replay (beyond L2)"
+    )
+    parser.add_argument(
+        "--configs",
+        type=parse_configs,
+        default=[],
+        help="extra grouped columns, BLOCK_T:BLOCK_N:BLOCK_K:num_warps "
+        "(0 = heuristic), comma-separated, e.g. 16:0:0:0,0:64:0:8",
+    )
+    parser.add_argument("--out", default="bench_grouped_gemv.json", help="JSON output path")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_grouped_gemv.py needs a CUDA device", file=sys.stderr)
+        return 2
+    workloads = [w for w in args.workloads.split(",") if w]
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown:
+        parser.error(f"unknown workloads {unknown}; known: {list(WORKLOADS)}")
+    tokens = [int(t) for t in args.tokens.split(",") if t]
+    device = torch.device("cuda", torch.cuda.current_device())
+    meta = {
+        "device": torch.cuda.get_device_name(device),
+        "sm_count": torch.cuda.get_device_properties(device).multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "args": dict(vars(args)),
+    }
+    log(f"{meta['device']} ({meta['sm_count']} SMs), torch {meta['torch']}, triton {meta['triton']}")
+    rows = []
+    with torch.no_grad():
+        for name in workloads:
+            for n in tokens:
+                row = bench_row(name, WORKLOADS[name], n, args, device)
+                rows.append(row)
+                times = ", ".join(f"{k} {fmt(v)}" for k, v in row["times_us"].items())
+                log(f"[{name} N={n}] {times}; floor {row['floor_us']:.1f} us ({row['copies']} copies)")
+                torch.cuda.empty_cache()
+    columns = list(make_candidates(args.configs))
+    log("")
+    print_table(rows, columns)
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    log(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""Replace calls of fx_fusion ops in a post-grad graph by their traced bodies, so Inductor runs them itself.
+
+An op call left in the graph is an opaque fallback: every compiled call dispatches it from Python, and on
+CPU its math runs eagerly. Its body, traced here with functionalisation, is instead plain graph code:
+
+- on CUDA, `torch.library.wrap_triton(kernel)[grid](...)` traces to a `triton_kernel_wrapper_functional`
+  node, which Inductor re-inplaces and launches from its own generated code (no op dispatch per call);
+- elsewhere the body is the op's math in ATen ops, which Inductor compiles like the rest of the graph (C++
+  on CPU) rather than calling an eager implementation.
+
+The tracing is the one Inductor's pattern matcher uses for its replacement graphs (make_fx with Inductor's
+decompositions), plus `dispatch_functionalize` so that kernels writing into fresh outputs become functional
+nodes; these private APIs are used in this module only. Bodies run on the nodes' fake values, so shapes,
+symbolic sizes and the ops' own validation are exactly those of the graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch._guards
+import torch.fx
+from torch._dispatch.python import enable_python_dispatcher
+from torch._inductor.decomposition import select_decomp_table
+from torch._subclasses.functional_tensor import (
+    FunctionalTensorMode,
+    dispatch_functionalize,
+)
+from torch.fx.experimental.proxy_tensor import make_fx
+
+
+def trace_functional(fn: Callable[..., Any], example_inputs: list) -> torch.fx.GraphModule:
+    """`fn` traced on fake (or real) example inputs into functional, decomposed ATen code."""
+    with enable_python_dispatcher():
+        traced = make_fx(dispatch_functionalize(fn, FunctionalTensorMode()), select_decomp_table())(*example_inputs)
+    traced.graph.eliminate_dead_code()
+    traced.recompile()
+    return traced
+
+
+def _check_kernels_only_write_fresh_tensors(traced: torch.fx.Graph) -> None:
+    """Refuse a body whose kernel may write one of its inputs: Inductor would copy that input on every call
+    (it clones what a kernel mutates), e.g. every weight when it cannot analyse which pointers are stored to."""
+    for node in traced.nodes:
+        if node.target is torch.ops.higher_order.triton_kernel_wrapper_functional:
+            kernel_args = node.kwargs["kwargs"]
+            written = [name for name in node.kwargs["tensors_to_clone"] if kernel_args[name].op == "placeholder"]
+            if written:
+                raise ValueError(f"the kernel may write its inputs {written}, which would be copied on every call")
+
+
+def inline_call(graph: torch.fx.Graph, node: torch.fx.Node, body: Callable[..., Any]) -> list[torch.fx.Node]:
+    """Replace `node` by the traced `body(*node.args, **node.kwargs)`; returns the nodes added.
+
+    Every fx.Node among the (possibly nested) arguments becomes an input of the traced body; everything
+    else (ints, floats, bools, None) is a constant of it.
+    """
+    inputs: list[torch.fx.Node] = []
+    torch.fx.map_arg((node.args, node.kwargs), inputs.append)
+
+    def call(*values):
+        lookup = dict(zip(inputs, values))
+        args, kwargs = torch.fx.map_arg((node.args, node.kwargs), lookup.__getitem__)
+        return body(*args, **kwargs)
+
+    values = [n.meta["val"] for n in inputs]
+    with torch._guards.detect_fake_mode(values) or contextlib.nullcontext():  # new tensors: fakes of the graph's mode
+        traced = trace_functional(call, values)
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    _check_kernels_only_write_fresh_tensors(traced.graph)
+    before = set(graph.nodes)
+    try:
+        with graph.inserting_before(node):
+            result = graph.graph_copy(traced.graph, dict(zip(placeholders, inputs)))
+    except Exception:
+        for added in reversed([n for n in graph.nodes if n not in before]):
+            graph.erase_node(added)
+        raise
+    if isinstance(result, (tuple, list)):  # a multi-output op: its users read the outputs by getitem
+        for user in list(node.users):
+            user.replace_all_uses_with(result[user.args[1]])
+            graph.erase_node(user)
+    else:
+        node.replace_all_uses_with(result)
+    graph.erase_node(node)
+    return [n for n in graph.nodes if n not in before]
+
+
+def _bodies() -> dict:
+    from fx_fusion.kernels import grouped_linear, ops
+
+    return {
+        torch.ops.fx_fusion.materialize_k.default: ops.materialize_k_body,
+        torch.ops.fx_fusion.grouped_linear.default: grouped_linear.grouped_linear_body,
+    }
+
+
+def lower_fused_ops(graph: torch.fx.Graph) -> tuple[int, list[str]]:
+    """Inline every fx_fusion op call that has a traceable body; returns (how many, why others were kept).
+
+    A body that cannot be traced leaves its call in place (still correct, as an opaque op) with the reason.
+    """
+    bodies, inlined, kept = _bodies(), 0, []
+    for node in list(graph.nodes):
+        body = bodies.get(node.target) if node.op == "call_function" else None
+        if body is None:
+            continue
+        try:
+            inline_call(graph, node, body)
+            inlined += 1
+        except NotImplementedError:  # the body does not serve this call: the op call is the right code
+            continue
+        except Exception as error:  # noqa: BLE001  (any tracing failure: keep the op call)
+            kept.append(f"{node.name}: {type(error).__name__}: {error}")
+    return inlined, kept

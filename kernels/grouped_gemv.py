@@ -1,0 +1,359 @@
+"""Grouped GEMV / skinny GEMM: several linears over the same input in one launch, no weight copies.
+
+    x:    [N, K]             any strides
+    W_i:  [R, K]             i = 0 .. G-1; same shape, dtype, device and strides (any), each where it lives
+    b_i:  [R]                optional: all or none, same dtype and stride
+    out:  [N, G * R]         any strides, allocated by the caller (e.g. a column slice of a wider buffer);
+                             must not overlap the inputs
+
+    out[n, i * R + r] = sum_k x[n, k] * W_i[r, k]  (+ b_i[r])
+
+accumulated in float32 and rounded once to out's dtype (bias added in float32 before that rounding).
+
+When it is used: few tokens (N <= MAX_TOKENS), e.g. the K/V projections of every layer of a multi-layer
+draft over the same context hidden states at decode time. There the work is bound by reading the weights
+once, and one launch over weights that stay where they are beats G separate GEMMs (G launches) without
+paying for a stacked copy of the weights (memory) or a per-call concatenation (bandwidth).
+`grouped_gemv_supported` says whether a call fits; larger N belongs to a real GEMM.
+
+The weights travel as separate pointer arguments w0 .. w{MAX_WEIGHTS_PER_LAUNCH-1}; each program picks its
+own with a chain of `tl.where` on the (uniform) weight index. More weights are launched in chunks of
+MAX_WEIGHTS_PER_LAUNCH, each writing its own column range of `out`.
+
+Grid: (cdiv(N, BLOCK_T), column blocks of BLOCK_N over the chunk's weights). One program computes a
+[BLOCK_T, BLOCK_N] tile of out for one weight with `tl.dot`, stepping over K by BLOCK_K, float32
+accumulation (float32 inputs use input_precision="ieee": no TF32). Token blocks vary fastest, so programs
+that run together share a weight tile. Even one token takes a 16-row tile (rows past N masked): on an
+H200 that streams the weights faster than a broadcast-and-sum GEMV (benchmarks/RESULTS.md).
+
+CPU tensors run through Triton's interpreter (tests only; `grouped_gemv_supported` admits them only when
+TRITON_INTERPRET=1 at call time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+MAX_WEIGHTS_PER_LAUNCH = 16
+MAX_TOKENS = 128  # above this, one cuBLAS GEMM per weight is faster (measured on an H200)
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_GRID_COLUMN_BLOCKS = 65535  # CUDA's limit on a grid's second axis, which counts column blocks
+
+# Launch heuristic (see `default_launch_config`).
+BLOCK_N_CHOICES = (64, 32, 16)
+MIN_PROGRAMS_PER_SM = 2
+MIN_BLOCK_T = 16  # tl.dot's smallest tile
+BLOCK_K_BYTES = 512  # per weight row and K step: BLOCK_K = 256 for 16-bit weights, 128 for float32
+
+
+def _grouped_gemv_kernel(
+    x_ptr,
+    out_ptr,
+    w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15,
+    b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14, b15,
+    N,
+    K,
+    R,
+    stride_xn,
+    stride_xk,
+    stride_wr,
+    stride_wk,
+    step_xk,
+    step_wk,
+    stride_b,
+    stride_on,
+    stride_oc,
+    NUM_WEIGHTS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    DOT_IN_FLOAT32: tl.constexpr,
+):  # fmt: skip
+    """One program: out[tokens, idx * R + rows] for one weight idx, a BLOCK_T x BLOCK_N tile.
+
+    step_xk, step_wk = BLOCK_K * stride_xk, BLOCK_K * stride_wk, computed on the host (so an int64 argument
+    when past 2**31). Unused weight / bias slots hold any valid pointer (the first weight).
+    """
+    pid_tok = tl.program_id(0)  # token blocks vary fastest: programs running together share a weight tile
+    pid_col = tl.program_id(1)
+    col_blocks = tl.cdiv(R, BLOCK_N)
+    idx = pid_col // col_blocks  # which weight (uniform over the program)
+    row_start = (pid_col % col_blocks) * BLOCK_N
+
+    # Select this program's weight (and bias) among the pointer arguments.
+    ws = (w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15)
+    bs = (b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14, b15)
+    w_ptr = w0
+    b_ptr = b0
+    for i in tl.static_range(1, NUM_WEIGHTS):
+        w_ptr = tl.where(idx == i, ws[i], w_ptr)
+        if HAS_BIAS:
+            b_ptr = tl.where(idx == i, bs[i], b_ptr)
+
+    # int64 row offsets: row * stride can pass 2**31 (large strided views, sliced parameters).
+    tokens = pid_tok * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = row_start + tl.arange(0, BLOCK_N)
+    tok_mask = tokens < N
+    row_mask = rows < R
+    # x tile [BLOCK_T, BLOCK_K]; weight tile [BLOCK_K, BLOCK_N], tl.dot's B operand as loaded (staged
+    # through shared memory, so the loop is software-pipelined).
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tokens.to(tl.int64)[:, None] * stride_xn + ks.to(tl.int64)[None, :] * stride_xk
+    w_ptrs = w_ptr + rows.to(tl.int64)[None, :] * stride_wr + ks.to(tl.int64)[:, None] * stride_wk
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        k_mask = (k_start + ks) < K
+        x = tl.load(x_ptrs, mask=tok_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & row_mask[None, :], other=0.0)
+        if DOT_IN_FLOAT32:  # exact products of 16-bit values, float32 sums: the same math
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(x, w, acc, input_precision=INPUT_PRECISION)
+        x_ptrs += step_xk
+        w_ptrs += step_wk
+
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + rows.to(tl.int64) * stride_b, mask=row_mask, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+
+    cols = (idx * R + rows).to(tl.int64)
+    out_ptrs = out_ptr + tokens.to(tl.int64)[:, None] * stride_on + cols[None, :] * stride_oc
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=tok_mask[:, None] & row_mask[None, :])
+
+
+# One kernel source, two front ends: compiled for CUDA tensors, interpreted (numpy) for CPU tensors.
+# `triton.jit` only looks at TRITON_INTERPRET when it runs (at import), so the interpreted twin is built here.
+grouped_gemv_kernel = triton.jit(_grouped_gemv_kernel)
+grouped_gemv_kernel_interpreted = InterpretedFunction(_grouped_gemv_kernel)
+
+
+# The kernel's helpers from triton.language that are themselves `@triton.jit` functions.
+_JIT_HELPERS = ("cdiv", "zeros")
+
+
+@contextlib.contextmanager
+def _interpretable_helpers():
+    """Let the interpreter run the `@triton.jit` helpers of triton.language (`tl.cdiv`, ...): they are
+    interpretable only when TRITON_INTERPRET=1 was set before triton was imported; otherwise swap in
+    interpreted twins for the duration of the launch."""
+    compiled = {name: getattr(tl, name) for name in _JIT_HELPERS}
+    for name, fn in compiled.items():
+        if not isinstance(fn, InterpretedFunction):
+            setattr(tl, name, InterpretedFunction(fn.fn))
+    try:
+        yield
+    finally:
+        for name, fn in compiled.items():
+            setattr(tl, name, fn)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Applicability
+# --------------------------------------------------------------------------------------------------------
+
+
+def grouped_gemv_unsupported_reason(
+    x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor], out: torch.Tensor
+) -> str | None:
+    """None when `launch_grouped_gemv(x, weights, biases, out)` applies, else why not (one line)."""
+    if not weights:
+        return "no weights"
+    w = weights[0]
+    if x.dim() != 2 or out.dim() != 2:
+        return f"x and out must be 2-D (got {x.dim()}-D and {out.dim()}-D)"
+    if any(wi.dim() != 2 for wi in weights):
+        return "every weight must be 2-D [R, K]"
+    if any(wi.shape != w.shape or wi.stride() != w.stride() for wi in weights):
+        return "weights differ in shape or strides"
+    if any(wi.dtype != w.dtype or wi.device != w.device for wi in weights):
+        return "weights differ in dtype or device"
+    if w.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {w.dtype} is not one of {SUPPORTED_DTYPES}"
+    if x.dtype != w.dtype or out.dtype != w.dtype:
+        return f"x ({x.dtype}) and out ({out.dtype}) must have the weights' dtype ({w.dtype})"
+    if x.device != w.device or out.device != w.device:
+        return "x, weights and out must be on one device"
+    if w.device.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            return "CPU tensors need TRITON_INTERPRET=1 (Triton interpreter)"
+    elif w.device.type != "cuda":
+        return f"device {w.device} is not CUDA"
+    rows, k = w.shape
+    n = x.shape[0]
+    if rows < 1 or k < 1:
+        return f"empty weights ({rows} x {k})"
+    if x.shape[1] != k:
+        return f"x has {x.shape[1]} features, the weights {k}"
+    if n > MAX_TOKENS:
+        return f"N = {n} tokens > MAX_TOKENS = {MAX_TOKENS}"
+    if tuple(out.shape) != (n, len(weights) * rows):
+        return f"out is {tuple(out.shape)}, expected {(n, len(weights) * rows)}"
+    if len(weights) * rows >= 2**31:
+        return "too many output columns for int32 column indices"
+    if min(len(weights), MAX_WEIGHTS_PER_LAUNCH) * triton.cdiv(rows, BLOCK_N_CHOICES[-1]) > MAX_GRID_COLUMN_BLOCKS:
+        return f"too many column blocks for the grid's second axis ({MAX_GRID_COLUMN_BLOCKS})"
+    if biases:
+        if len(biases) != len(weights):
+            return f"{len(biases)} biases for {len(weights)} weights"
+        b = biases[0]
+        if any(bi.dim() != 1 or bi.shape[0] != rows for bi in biases):
+            return f"every bias must be [R] = [{rows}]"
+        if any(bi.dtype != w.dtype or bi.device != w.device or bi.stride() != b.stride() for bi in biases):
+            return "biases differ from the weights in dtype or device, or from each other in stride"
+    return None
+
+
+def grouped_gemv_supported(
+    x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor], out: torch.Tensor
+) -> bool:
+    """Whether the grouped kernel applies (see `grouped_gemv_unsupported_reason` for why not)."""
+    return grouped_gemv_unsupported_reason(x, weights, biases, out) is None
+
+
+# --------------------------------------------------------------------------------------------------------
+# Launch
+# --------------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_launch_config(
+    n: int, rows: int, k: int, n_weights: int, dtype: torch.dtype, device: torch.device
+) -> dict[str, int]:
+    """BLOCK_T, BLOCK_N, BLOCK_K and num_warps for one launch over `n_weights` weights [rows, k].
+
+    A pure function of the shapes (no autotuning: safe under CUDA-graph capture), from a sweep on an H200
+    (benchmarks/RESULTS.md):
+      - N <= 64: one token block, BLOCK_T = next power of 2 of N, at least 16; BLOCK_N the largest of
+        64, 32, 16 that still gives MIN_PROGRAMS_PER_SM programs per SM (the work is a weight read: every
+        SM must stream), else 16; BLOCK_K: BLOCK_K_BYTES of a weight row at BLOCK_T = 16, half that above.
+      - 64 < N <= MAX_TOKENS: 64 x 64 tiles, BLOCK_K 64.
+      - BLOCK_K at most the next power of 2 of K (at least 16); num_warps 4.
+      - CPU (the interpreter, tests): BLOCK_N 16, BLOCK_K 32, so that small tests reach every tail.
+    """
+    k_cap = max(16, triton.next_power_of_2(k))
+    block_t = max(MIN_BLOCK_T, min(triton.next_power_of_2(max(n, 1)), 64))
+    if device.type != "cuda":
+        return {"BLOCK_T": block_t, "BLOCK_N": 16, "BLOCK_K": min(32, k_cap), "num_warps": 4}
+    if n > 64:
+        return {"BLOCK_T": 64, "BLOCK_N": 64, "BLOCK_K": min(64, k_cap), "num_warps": 4}
+    min_programs = MIN_PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else 0)
+    block_n = BLOCK_N_CHOICES[-1]
+    for candidate in BLOCK_N_CHOICES:
+        if n_weights * triton.cdiv(rows, candidate) >= min_programs:
+            block_n = candidate
+            break
+    row_bytes = BLOCK_K_BYTES if block_t == MIN_BLOCK_T else BLOCK_K_BYTES // 2
+    block_k = row_bytes // torch.empty((), dtype=dtype).element_size()
+    return {"BLOCK_T": block_t, "BLOCK_N": block_n, "BLOCK_K": min(block_k, k_cap), "num_warps": 4}
+
+
+def launch_grouped_gemv(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor],
+    out: torch.Tensor,
+    *,
+    block_t: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    traceable: bool = False,
+) -> None:
+    """out[:, i*R:(i+1)*R] = x @ weights[i].T (+ biases[i]) for every i, in one launch per 16 weights.
+
+    Arguments as in the module docstring; call `grouped_gemv_supported` first (not re-checked here; any N
+    works, but beyond MAX_TOKENS the weights are read once per BLOCK_T tokens). CPU tensors run through
+    the Triton interpreter. `block_t` / `block_n` / `block_k` / `num_warps` override the heuristic (tuning
+    only; powers of 2, each at least 16).
+    `traceable` launches through `torch.library.wrap_triton`, so that tracing records the launch for Inductor.
+    """
+    n, k = x.shape
+    rows = weights[0].shape[0]
+    if n == 0:
+        return
+    w = weights[0]
+    interpret = x.device.type != "cuda"
+    for start in range(0, len(weights), MAX_WEIGHTS_PER_LAUNCH):
+        chunk_w = list(weights[start : start + MAX_WEIGHTS_PER_LAUNCH])
+        chunk_b = list(biases[start : start + MAX_WEIGHTS_PER_LAUNCH]) if biases else []
+        g = len(chunk_w)
+        chunk_out = out if g == len(weights) else out[:, start * rows : (start + g) * rows]
+        config = default_launch_config(n, rows, k, g, w.dtype, x.device)
+        overrides = {"BLOCK_T": block_t, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": num_warps}
+        config.update({key: value for key, value in overrides.items() if value is not None})
+        pad = MAX_WEIGHTS_PER_LAUNCH - g
+        w_args = chunk_w + [chunk_w[0]] * pad  # unused slots: any valid pointer of the right type
+        b_args = (chunk_b + [chunk_b[0]] * pad) if chunk_b else [chunk_w[0]] * MAX_WEIGHTS_PER_LAUNCH
+        grid = (triton.cdiv(n, config["BLOCK_T"]), g * triton.cdiv(rows, config["BLOCK_N"]))
+        args = (
+            x,
+            chunk_out,
+            *w_args,
+            *b_args,
+            n,
+            k,
+            rows,
+            x.stride(0),
+            x.stride(1),
+            w.stride(0),
+            w.stride(1),
+            config["BLOCK_K"] * x.stride(1),  # step_xk, step_wk: int64 arguments when past 2**31
+            config["BLOCK_K"] * w.stride(1),
+            chunk_b[0].stride(0) if chunk_b else 0,
+            chunk_out.stride(0),
+            chunk_out.stride(1),
+        )
+        # The interpreter's tl.dot multiplies bfloat16's raw uint16 storage: there, bfloat16 tiles are
+        # widened to float32 first (exact products) and multiplied with input_precision="ieee".
+        dot_in_float32 = interpret and w.dtype == torch.bfloat16
+        meta = dict(
+            NUM_WEIGHTS=g,
+            HAS_BIAS=bool(chunk_b),
+            # "ieee": no TF32 for float32 inputs; "tf32" is ignored for 16-bit inputs.
+            INPUT_PRECISION="ieee" if w.dtype == torch.float32 or dot_in_float32 else "tf32",
+            DOT_IN_FLOAT32=dot_in_float32,
+            **config,
+        )
+        if interpret:
+            with _interpretable_helpers():
+                grouped_gemv_kernel_interpreted[grid](*args, **meta)
+        elif traceable:
+            torch.library.wrap_triton(grouped_gemv_kernel)[grid](*args, **meta)
+        elif x.device.index == torch.cuda.current_device():
+            grouped_gemv_kernel[grid](*args, **meta)
+        else:  # Triton launches on the current device
+            with torch.cuda.device(x.device):
+                grouped_gemv_kernel[grid](*args, **meta)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Reference (tests)
+# --------------------------------------------------------------------------------------------------------
+
+
+def grouped_linear_reference(
+    x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor] = ()
+) -> torch.Tensor:
+    """cat_i(x @ W_i.T + b_i) in float64, [N, G * R] (on x's device)."""
+    x64 = x.double()
+    cols = []
+    for i, w in enumerate(weights):
+        y = x64 @ w.double().t()
+        if biases:
+            y = y + biases[i].double()
+        cols.append(y)
+    return torch.cat(cols, dim=1)

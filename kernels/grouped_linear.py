@@ -1,0 +1,66 @@
+"""`fx_fusion::grouped_linear`: several linears over one input, written side by side into one output.
+
+    x: [N, hidden]; weights: W_i [rows_i, hidden]; biases: [] or b_i [rows_i] for every weight
+    out: [N, sum(rows_i)],   out[:, c_i : c_i + rows_i] = x @ W_i.T + b_i   (c_i: rows of the weights before i)
+
+Every weight is read where it lives: nothing is stacked, copied or re-homed, so a module's parameters, their
+storage, `state_dict()`, pickles and in-place updates stay exactly the user's. For a few tokens on CUDA
+(`grouped_gemv.MAX_TOKENS` or fewer), one Triton launch computes every linear, so that all SMs stream weights at
+once; otherwise each linear is one GEMM writing straight into its column slice of `out` (a row-major slice
+is a valid GEMM output with the full row as leading dimension, so nothing is copied).
+
+Defined with the low-level `torch.library.Library` API (schema + implementation + fake): it sits on the hot
+path of every compiled call, and this API dispatches straight to the implementation.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .grouped_gemv import grouped_gemv_supported, launch_grouped_gemv
+
+_library = torch.library.Library("fx_fusion", "FRAGMENT")
+_library.define("grouped_linear(Tensor x, Tensor[] weights, Tensor[] biases) -> Tensor")
+
+
+def _use_grouped_gemv(x, weights, biases, out) -> bool:
+    """The Triton path: on CUDA (or CPU through Triton's interpreter, TRITON_INTERPRET=1) when it applies."""
+    on_triton = x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    return on_triton and grouped_gemv_supported(x, weights, biases, out)
+
+
+def grouped_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> torch.Tensor:
+    out = x.new_empty((x.shape[0], sum(w.shape[0] for w in weights)))
+    if _use_grouped_gemv(x, weights, biases, out):
+        launch_grouped_gemv(x, weights, biases, out)
+        return out
+    column = 0
+    for i, weight in enumerate(weights):
+        columns = out[:, column : column + weight.shape[0]]
+        if biases:
+            torch.addmm(biases[i], x, weight.t(), out=columns)
+        else:
+            torch.mm(x, weight.t(), out=columns)
+        column += weight.shape[0]
+    return out
+
+
+_library.impl("grouped_linear", grouped_linear, "CompositeExplicitAutograd")
+
+
+def grouped_linear_body(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> torch.Tensor:
+    """What `fx_fusion.op_lowering` traces in place of a grouped_linear call that the grouped Triton kernel
+    serves (CUDA, a known token count): the kernel launched through `torch.library.wrap_triton`, so that
+    Inductor launches it from its generated code. Raises NotImplementedError where the op call should stay."""
+    out = x.new_empty((x.shape[0], sum(w.shape[0] for w in weights)))
+    if isinstance(x.shape[0], torch.SymInt) or not x.is_cuda or not grouped_gemv_supported(x, weights, biases, out):
+        raise NotImplementedError("the GEMM path (a symbolic or large token count, or not CUDA) stays an op call")
+    launch_grouped_gemv(x, weights, biases, out, traceable=True)
+    return out
+
+
+@torch.library.register_fake("fx_fusion::grouped_linear")
+def _(x, weights, biases):
+    return x.new_empty((x.shape[0], sum(w.shape[0] for w in weights)))
