@@ -389,7 +389,9 @@ def test_compiling_never_touches_parameters(device, mode):
         for name, (ident, storage, address, value) in facts.items():
             assert after[name][:3] == (ident, storage, address), f"{name} was moved"
             assert torch.equal(after[name][3], value), f"{name} changed value"
-        assert len(pickle.dumps(module)) == pickled
+        # dynamo's annotations of the parameters differ by a few bytes from compile to compile; a weight
+        # copy would add at least one weight (16 KiB here)
+        assert abs(len(pickle.dumps(module)) - pickled) < 1024
         assert _saved_bytes(module.layers[0].state_dict()) == saved
 
         state["layers.1.k_proj.weight"].mul_(-0.5)  # through the early state_dict
@@ -526,7 +528,7 @@ def test_explicit_stacked_spelling(device, bias):
     module = StackedSpellingContext(bias=bias).to(device)
     x, cos, sin = torch.randn(6, 48, device=device), torch.randn(6, 16, device=device), torch.randn(6, 16, device=device)
     counting = check_compiled_matches_eager(module, x, cos, sin)
-    (group,) = counting.records[0].fused_groups
+    (group,) = only_fused_groups(counting.records)
     assert (group.n_layers, group.num_kv_heads, group.head_dim, group.bias) == (4, 2, 16, bias)
     assert sum(counting.after[op] for op in PROJECTION_OPS) == 0 and counting.after[aten.cat.default] == 0
     assert counting.after[FUSED_OP] == 1
