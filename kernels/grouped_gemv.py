@@ -237,10 +237,11 @@ def default_launch_config(
 
     A pure function of the shapes (no autotuning: safe under CUDA-graph capture), from a sweep on an H200
     (benchmarks/RESULTS.md):
-      - N <= 64: one token block, BLOCK_T = next power of 2 of N, at least 16; BLOCK_N the largest of
-        64, 32, 16 that still gives MIN_PROGRAMS_PER_SM programs per SM (the work is a weight read: every
-        SM must stream), else 16; BLOCK_K: BLOCK_K_BYTES of a weight row at BLOCK_T = 16, half that above.
-      - 64 < N <= MAX_TOKENS: 64 x 64 tiles, BLOCK_K 64.
+      - BLOCK_T: next power of 2 of N, at least 16, at most 64 (more tokens: several token blocks);
+      - BLOCK_N: the largest of 64, 32, 16 that still gives MIN_PROGRAMS_PER_SM programs per SM over all
+        token blocks (the work is a weight read: every SM must stream), else 16;
+      - BLOCK_K: up to 64 tokens BLOCK_K_BYTES of a weight row at BLOCK_T = 16, half that above; past 64
+        tokens 64 for 64-wide tiles, else 128.
       - BLOCK_K at most the next power of 2 of K (at least 16); num_warps 4.
       - CPU (the interpreter, tests): BLOCK_N 16, BLOCK_K 32, so that small tests reach every tail.
     """
@@ -248,16 +249,18 @@ def default_launch_config(
     block_t = max(MIN_BLOCK_T, min(triton.next_power_of_2(max(n, 1)), 64))
     if device.type != "cuda":
         return {"BLOCK_T": block_t, "BLOCK_N": 16, "BLOCK_K": min(32, k_cap), "num_warps": 4}
-    if n > 64:
-        return {"BLOCK_T": 64, "BLOCK_N": 64, "BLOCK_K": min(64, k_cap), "num_warps": 4}
+    token_blocks = triton.cdiv(n, block_t)
     min_programs = MIN_PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else 0)
     block_n = BLOCK_N_CHOICES[-1]
     for candidate in BLOCK_N_CHOICES:
-        if n_weights * triton.cdiv(rows, candidate) >= min_programs:
+        if token_blocks * n_weights * triton.cdiv(rows, candidate) >= min_programs:
             block_n = candidate
             break
-    row_bytes = BLOCK_K_BYTES if block_t == MIN_BLOCK_T else BLOCK_K_BYTES // 2
-    block_k = row_bytes // torch.empty((), dtype=dtype).element_size()
+    element_size = torch.empty((), dtype=dtype).element_size()
+    if n > 64:  # several token blocks: 64 x 64 tiles step K by 64, narrower ones by 128
+        block_k = 64 if block_n == 64 else 128
+    else:
+        block_k = (BLOCK_K_BYTES if block_t == MIN_BLOCK_T else BLOCK_K_BYTES // 2) // element_size
     return {"BLOCK_T": block_t, "BLOCK_N": block_n, "BLOCK_K": min(block_k, k_cap), "num_warps": 4}
 
 

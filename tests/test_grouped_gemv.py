@@ -304,7 +304,7 @@ def test_supported_and_cpu_needs_interpreter(monkeypatch) -> None:
 
 def test_launch_heuristic(monkeypatch) -> None:
     """The measured tiles: 16-token tiles with long K steps for a few tokens, BLOCK_N giving >= 2 programs
-    per SM, 64 x 64 tiles past 64 tokens."""
+    per SM, 64-token tiles past 64 tokens."""
     monkeypatch.setattr(gg, "_sm_count", lambda index: 132)  # an H200
     cuda = torch.device("cuda", 0)
     bf16 = torch.bfloat16
@@ -320,8 +320,12 @@ def test_launch_heuristic(monkeypatch) -> None:
     assert gg.default_launch_config(17, 1024, 4096, 10, torch.float32, cuda)["BLOCK_K"] == 64
     # Two weights: no size reaches 2 programs per SM -> the smallest.
     assert gg.default_launch_config(1, 1024, 4096, 2, bf16, cuda)["BLOCK_N"] == 16
+    # Past 64 tokens: several token blocks count toward the programs per SM.
     assert gg.default_launch_config(MAX_TOKENS, 1024, 4096, 10, bf16, cuda) == {
         "BLOCK_T": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4,
+    }  # fmt: skip
+    assert gg.default_launch_config(MAX_TOKENS, 1024, 4096, 2, bf16, cuda) == {
+        "BLOCK_T": 64, "BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4,
     }  # fmt: skip
     # Short K: BLOCK_K no larger than needed (but >= 16).
     assert gg.default_launch_config(1, 1024, 8, 10, bf16, cuda)["BLOCK_K"] == 16
