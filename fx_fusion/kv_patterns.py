@@ -45,6 +45,23 @@ class ComputedWeight(NoMatch):
     """A linear over a weight (or bias) cut from a parameter in the graph: worth telling the user."""
 
 
+def is_parameter_rows(node) -> bool:
+    """A parameter, or rows of it seen as a view the grouped GEMM reads where it lives: a block of rows
+    taken with `slice` along dim 0 (SGLang's DFlash `F.linear(x, qkv.weight[q_size : q_size + 2 * kv_size])`),
+    or leading dims flattened into rows (modded-nanogpt's `qkv_w.flatten(end_dim=1)`)."""
+    while True:
+        if is_call(node, aten.slice.Tensor) and (node.args[1] if len(node.args) > 1 else 0) == 0:
+            if (node.args[4] if len(node.args) > 4 else 1) != 1:
+                return False
+        elif is_call(node, aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+            source = val(node.args[0])
+            if source.shape[-1:] != val(node).shape[-1:] or not source.is_contiguous():
+                return False  # only leading dims merged into rows
+        else:
+            return is_weight_input(node)
+        node = node.args[0]
+
+
 def _cut_from_parameter(node) -> bool:
     """Is `node` a parameter seen through views, slices, selects or gathers (`qkv.weight[kv_rows]`)?"""
     cuts = (aten.slice.Tensor, aten.select.int, aten.index.Tensor, aten.index_select.default, aten.t.default)
@@ -125,7 +142,7 @@ def bias_add_of(mm: torch.fx.Node) -> Optional[torch.fx.Node]:
     if not is_call(add, aten.add.Tensor) or add.kwargs.get("alpha", 1) != 1 or len(add.args) != 2:
         return None
     bias = _other_arg(add, mm)
-    if not is_weight_input(bias) or static_shape(bias) != static_shape(mm)[-1:]:
+    if not is_parameter_rows(bias) or static_shape(bias) != static_shape(mm)[-1:]:
         return None  # a [1] bias broadcasts one value over every column: not a per-column bias
     return add
 
@@ -143,7 +160,7 @@ def match_projection(node: torch.fx.Node) -> Projection:
         bias, x2d, rhs = node.args[0], node.args[1], node.args[2]
         if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
             raise NoMatch("addmm with alpha/beta scaling")
-        if not is_weight_input(bias) or len(val(bias).shape) != 1:
+        if not is_parameter_rows(bias) or len(val(bias).shape) != 1:
             error = ComputedWeight if _cut_from_parameter(bias) else NoMatch
             raise error("projection bias is computed in the graph, not a parameter")
         if static_shape(bias) != static_shape(node)[-1:]:
@@ -151,7 +168,7 @@ def match_projection(node: torch.fx.Node) -> Projection:
     else:
         raise NoMatch("not a linear projection")
     biases = [bias] if bias is not None else []
-    if is_call(rhs, aten.permute.default) and list(rhs.args[1]) == [1, 0] and is_weight_input(rhs.args[0]):
+    if is_call(rhs, aten.permute.default) and list(rhs.args[1]) == [1, 0] and is_parameter_rows(rhs.args[0]):
         return Projection(node, x2d, [rhs.args[0]], biases, False)
     if is_weight_input(rhs) and rhs.op == "get_attr":
         return Projection(node, x2d, [rhs], biases, True)

@@ -1174,9 +1174,7 @@ NEGATIVE_CASES: list[Case] = [
 NOT_YET: dict[str, str] = {
     "litgpt_grouped_qkv_partial": r"no rotary embedding",  # per-group qkv, permuted before the cut
     "nano_vllm_qwen3": r"no rotary embedding",  # float32: the in-place norm's buffers
-    "sglang_dflash_kv_proj_only": r"weight is computed in the graph",  # rows of the qkv weight
-    "sglang_dflash_kv_proj_only_bias": r"(weight|bias) is computed in the graph",
-    "modded_nanogpt": r"weight is computed in the graph",
+    "modded_nanogpt": r"no rotary embedding",  # RoPE with sin negated (rotate(K) of the opposite sign)
     "llama_complex_freqs_cis": r"no rotary embedding",  # complex multiply
     "zlab_dflash_ctx_noise_cat": r"no rotary embedding",  # context and noise K concatenated before norm
 }

@@ -464,6 +464,26 @@ def test_inductor_generates_the_fused_code(device, options):
         assert records[0].ops_inlined == 1 and "fx_fusion.grouped_linear" in code
 
 
+def test_untraceable_op_body_keeps_the_op_call_with_its_reason(monkeypatch):
+    """A fused op whose body cannot be traced stays an op call (still correct), and the record says why."""
+
+    def broken_body(*args):
+        raise RuntimeError("cannot trace this")
+
+    monkeypatch.setattr(
+        fx_fusion.op_lowering, "_bodies", lambda: {torch.ops.fx_fusion.materialize_k.default: broken_body}
+    )
+    module = drafts.qwen3_context_kv(3)
+    inputs = drafts.example_inputs(module, seq_len=5)
+    records = []
+    with torch.no_grad(), RecordSink.collect(records):
+        got, codes = torch._inductor.utils.run_and_get_code(torch.compile(module, backend="fx_fusion"), *inputs)
+        assert_close_outputs(got, module(*inputs), torch.float32)
+    only_fused_groups(records)
+    assert records[0].ops_inlined == 0 and "RuntimeError: cannot trace this" in records[0].ops_kept[0]
+    assert "fx_fusion.materialize_k" in "\n".join(codes)
+
+
 def test_disable_option_leaves_graph_alone():
     module = drafts.llama_context_kv(2)
     inputs = drafts.example_inputs(module, seq_len=4)
