@@ -164,7 +164,8 @@ def _group_key(branch: KBranch, same_value: ValueKeys) -> tuple:
         ("rotary_dim", rotary.rotary_dim),
         ("rotary style", "interleaved" if rotary.interleaved else "neox"),
         ("cos/sin table layout", (rotary.cos.mode, rotary.sin.mode)),
-        ("k_norm", norm is not None),
+        ("sin negated", rotary.sin_negated),
+        ("k_norm", None if norm is None else ("weightless" if norm.weight is None else "weighted")),
         ("eps", eps),
         ("norm weight offset", norm.weight_offset if norm else None),
         ("norm rounding", (norm.weight_in_float32, norm.round_before_rope) if norm else None),
@@ -404,7 +405,7 @@ def _cache_and_positions(branch: KBranch) -> Optional[tuple[torch.fx.Node, torch
     rotary = branch.rotary
     half, mode = rotary.rotary_dim // 2, ("interleaved" if rotary.interleaved else "neox")
     found = [_gathered_rows(t.node) for t in (rotary.cos, rotary.sin)]
-    if None in found or rotary.cos.mode != mode or rotary.sin.mode != mode:
+    if None in found or rotary.cos.mode != mode or rotary.sin.mode != mode or rotary.sin_negated:
         return None
     (cache, positions, cos_start, cos_end), (cache_s, positions_s, sin_start, sin_end) = found
     if (cache, positions) != (cache_s, positions_s) or (cos_start, cos_end, sin_start, sin_end) != (0, half, half, 2 * half):
@@ -462,6 +463,8 @@ def _rotary_tables(builder: _GraphBuilder, branches: list[KBranch], hidden: torc
         pair = []
         for table in (branch.rotary.cos, branch.rotary.sin):
             node = _per_token_rotary_table(builder, table, branch, hidden, sizes[table.node])
+            if table is branch.rotary.sin and branch.rotary.sin_negated:  # the op rotates by +angle
+                node = builder.call(aten.neg.default, node)
             if not shared:  # one [1 or n_layers, tokens, rotary_dim] block per branch
                 node = builder.call(aten.unsqueeze.default, node, 0)
                 if branch.n_layers > 1:
@@ -522,7 +525,7 @@ def _rewrite_group(
         raise NoMatch("K columns of the stacked projection are not evenly spaced")
 
     x2d = min((p.x2d for p in projections), key=lambda n: list(graph.nodes).index(n))
-    norm_weights = [b.norm.weight for b in branches] if first.norm else []
+    norm_weights = [b.norm.weight for b in branches] if first.norm and first.norm.weight is not None else []
     eps_nodes = [b.norm.eps for b in branches for _ in range(b.n_layers) if first.norm and isinstance(b.norm.eps, torch.fx.Node)]
     table_kind, cache_positions = _shared_rotary_tables(branches, same_value)
     if cache_positions is not None:
@@ -558,7 +561,11 @@ def _rewrite_group(
                 k_proj = builder.call(aten.slice.Tensor, k_proj, 2, first_head, first_head + num_heads)
                 within = col_start % head_stride
                 k_proj = builder.call(aten.slice.Tensor, k_proj, 3, within, within + head_dim)
-            if len(norm_weights) > 1:  # one [n_layers, head_dim] table; the parameters stay where they are
+            if first.norm is not None and first.norm.weight is None:  # a weightless norm scales by ones
+                norm_weights = [builder.call(
+                    aten.full.default, [n_layers, head_dim], 1.0, dtype=val(x2d).dtype, device=val(x2d).device
+                )]  # fmt: skip
+            elif len(norm_weights) > 1:  # one [n_layers, head_dim] table; the parameters stay where they are
                 rows = [builder.call(aten.reshape.default, w, [-1, head_dim]) for w in norm_weights]
                 norm_weights = [builder.call(aten.cat.default, rows)]
             eps_value, eps_tensor = 0.0, None

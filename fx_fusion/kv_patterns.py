@@ -251,7 +251,7 @@ def follow_layout(node: torch.fx.Node) -> tuple[list[torch.fx.Node], torch.fx.No
 @dataclasses.dataclass
 class RMSNorm:
     out: torch.fx.Node
-    weight: torch.fx.Node  # the weight parameter: [head_dim], or [n_layers, head_dim] in the stacked spelling
+    weight: Optional[torch.fx.Node]  # the weight parameter: [head_dim], [n_layers, head_dim] (stacked), None: no weight
     weight_shape: list[int]  # the weight as the norm broadcasts it (e.g. [n_layers, 1, head_dim])
     eps: Union[float, torch.fx.Node]
     width: int  # size of the normalised (last) dim
@@ -391,6 +391,21 @@ def _norm_weight_parameter(weight: torch.fx.Node) -> tuple[torch.fx.Node, float]
     return node, offset
 
 
+def _weightless(after: torch.fx.Node, normed: torch.fx.Node) -> bool:
+    """Is the normalised K used as is, not scaled by a norm weight? A mul by anything but a parameter (a
+    rotary table) counts as use; the rotation is then proven on its own (rotary_action)."""
+    if not is_call(after, aten.mul.Tensor):
+        return True
+    weight = _other_arg(after, normed)
+    if not isinstance(weight, torch.fx.Node):
+        return False  # scaled by a constant: not a form the op has
+    try:
+        _norm_weight_parameter(weight)
+    except NoMatch:
+        return True
+    return False
+
+
 def match_rms_norm(x: torch.fx.Node) -> RMSNorm:
     """Match a per-head RMSNorm starting at x, in any of its common forms:
 
@@ -398,7 +413,9 @@ def match_rms_norm(x: torch.fx.Node) -> RMSNorm:
     ((x.float() * rsqrt(...)) * (offset + weight.float())).to(x.dtype)               SGLang native, Gemma
     (x.float() * rsqrt(...)) * weight.float(), rounded only after the RoPE            SGLang reference
     x * rsqrt(...) * weight                                                            no upcast / float32
-    with x / sqrt(...) or x * (1 / sqrt(...)) for x * rsqrt(...), eps added either way round.
+    with x / sqrt(...) or x * (1 / sqrt(...)) for x * rsqrt(...), eps added either way round; and without
+    a weight (`F.rms_norm(x, (D,))`, modded-nanogpt), where the normalised K is the norm's output (weight
+    None: the fused op then scales by ones).
     """
     in_dtype = val(x).dtype
     width = static_shape(x)[-1]
@@ -411,9 +428,14 @@ def match_rms_norm(x: torch.fx.Node) -> RMSNorm:
                 raise NoMatch("K norm input has other users besides its float32 upcast")
             upcast = casts[0]
     normed, eps = _match_inverse_rms(upcast, rank)
+    weightless = RMSNorm(out=normed, weight=None, weight_shape=[], eps=eps, width=width)
+    if upcast is x and len(normed.users) > 1:  # used as is by several ops (the RoPE's pieces)
+        return weightless
     after = _single_user(normed, "x * rsqrt(...)")
     weight_in_float32, round_before_rope = False, True
     if upcast is not x and _is_cast(after, in_dtype):  # round first, then the weight (Hugging Face)
+        if len(after.users) > 1:  # the rounded normalised K used as is
+            return dataclasses.replace(weightless, out=after)
         normed, after = after, _single_user(after, "normalised K")
         out = after
     elif upcast is not x:  # the weight in float32, then one rounding (SGLang native, Gemma)
@@ -427,6 +449,8 @@ def match_rms_norm(x: torch.fx.Node) -> RMSNorm:
             out, round_before_rope = after, False
     else:
         out = after
+    if not weight_in_float32 and _weightless(after, normed):  # what follows is not a weight: the RoPE, say
+        return dataclasses.replace(weightless, out=normed)
     if not is_call(after, aten.mul.Tensor):
         raise NoMatch("K norm has no elementwise weight after normalising")
     weight = _other_arg(after, normed)
@@ -571,6 +595,8 @@ class KBranch:
 
 def check_norm_weight(norm: RMSNorm, heads: HeadLayout, n_layers: int, rank: int) -> None:
     """The norm weight must be one [head_dim] vector per layer, broadcast over tokens and heads."""
+    if norm.weight is None:
+        return
     shape = [1] * (rank - len(norm.weight_shape)) + list(norm.weight_shape)
     expected = [1] * rank
     expected[-1] = heads.head_dim
@@ -638,7 +664,7 @@ def match_k_branch(projection: Projection, source: "BranchSource") -> KBranch:
         raise NoMatch(f"K is {dtype}; the fused op supports float32, bfloat16 and float16")
     if val(rotary.out).dtype != dtype:
         raise NoMatch(f"K output is {val(rotary.out).dtype}, the projection {dtype}")
-    if norm is not None and val(norm.weight).dtype != dtype:
+    if norm is not None and norm.weight is not None and val(norm.weight).dtype != dtype:
         raise NoMatch(f"K norm weight is {val(norm.weight).dtype}, K is {dtype}")
     rows, row_width = static_shape(projection.node)
     head_dim = static_shape(node)[-1]

@@ -11,7 +11,8 @@ cos/sin cache row...) is a *table*. The region is accepted when
 2. evaluated on probe inputs in float64 (casts skipped), its coefficients read off as integers are those
    of a rotation: out[i] = K[i] * cos[i] + sign(i) * K[partner(i)] * sin[i] for i < rotary_dim, out[i] =
    K[i] beyond, with neox (rotate-half) or interleaved (GPT-J) partners, one cos and one sin element per
-   output element, shared by every head; and
+   output element, shared by every head (or the same with sign(i) negated: a rotation by -angle, as
+   modded-nanogpt writes it, which is the op's rotation with -sin); and
 3. a final evaluation on random inputs agrees with that formula. Two bilinear forms that agree on random
    inputs are the same form, so the region computes the fused op's rotation with these tables.
 
@@ -83,6 +84,7 @@ class Rotation:
     sin: Table
     rotary_dim: int
     interleaved: bool  # partner of element i: i ^ 1 (GPT-J pairs), else i +- rotary_dim / 2 (neox)
+    sin_negated: bool = False  # K*cos - rotate(K)*sin: a rotation by -angle (the op reads -sin)
 
 
 def _is_call(node, targets) -> bool:
@@ -296,12 +298,17 @@ def _identify(k: torch.fx.Node, out: torch.fx.Node, nodes: list[torch.fx.Node], 
     interleaved = None
     for style in (False, True):
         partner, sign = _partner_pattern(rotary_dim, style)
-        if torch.equal(partner_codes, sign * flat_k[:, partner]):
-            interleaved = style
+        for flip in (1.0, -1.0):  # -1: the sine enters negated, a rotation by -angle
+            if torch.equal(partner_codes, flip * sign * flat_k[:, partner]):
+                interleaved, sin_negated = style, flip < 0
+                break
+        if interleaved is not None:
             break
     if interleaved is None:
         raise NotRotary("K is not rotated in neox halves or interleaved pairs with cos/sin as K*cos + rotate(K)*sin")
     partner, sign = _partner_pattern(rotary_dim, interleaved)
+    if sin_negated:
+        sign = -sign
 
     sizes = [max(1, torch.Size(s).numel()) for s in probe.table_shapes]
     bases = [sum(sizes[:j]) for j in range(len(sizes))]
@@ -318,8 +325,9 @@ def _identify(k: torch.fx.Node, out: torch.fx.Node, nodes: list[torch.fx.Node], 
     cos_table, cos_index = _decode_codes(cos_codes, bases, sizes)
     sin_table, sin_index = _decode_codes(sin_codes, bases, sizes)
 
-    k_random = torch.randn(shape, dtype=torch.float64)
-    tables_random = [torch.randn(s, dtype=torch.float64) for s in probe.table_shapes]
+    generator = torch.Generator().manual_seed(0)  # a private stream: compiling leaves the user's RNG alone
+    k_random = torch.randn(shape, dtype=torch.float64, generator=generator)
+    tables_random = [torch.randn(s, dtype=torch.float64, generator=generator) for s in probe.table_shapes]
     got = probe.run(k_random, tables_random).reshape(-1, head_dim)
     flat = k_random.reshape(-1, head_dim)
     rot = flat[:, :rotary_dim]
@@ -340,4 +348,6 @@ def _identify(k: torch.fx.Node, out: torch.fx.Node, nodes: list[torch.fx.Node], 
         if mode is None:
             raise NotRotary("cos/sin are not one value per token and frequency, shared by every head")
         specs.append(Table(probe.tables[table], mode))
-    return Rotation(out=out, cos=specs[0], sin=specs[1], rotary_dim=rotary_dim, interleaved=interleaved)
+    return Rotation(
+        out=out, cos=specs[0], sin=specs[1], rotary_dim=rotary_dim, interleaved=interleaved, sin_negated=sin_negated
+    )

@@ -1172,9 +1172,9 @@ NEGATIVE_CASES: list[Case] = [
 # The supported math in spellings the pass does not fuse yet, and the reason it reports (a regex). They
 # must still compile to eager's results, and never without a reason. README "Not fused yet" lists them.
 NOT_YET: dict[str, str] = {
+    "modded_nanogpt": r"no rotary embedding",  # its -sin is a table of its own (neg(sin)), not a sign on K
     "litgpt_grouped_qkv_partial": r"no rotary embedding",  # per-group qkv, permuted before the cut
     "nano_vllm_qwen3": r"no rotary embedding",  # float32: the in-place norm's buffers
-    "modded_nanogpt": r"no rotary embedding",  # RoPE with sin negated (rotate(K) of the opposite sign)
     "llama_complex_freqs_cis": r"no rotary embedding",  # complex multiply
     "zlab_dflash_ctx_noise_cat": r"no rotary embedding",  # context and noise K concatenated before norm
 }

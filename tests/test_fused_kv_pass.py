@@ -464,6 +464,51 @@ def test_inductor_generates_the_fused_code(device, options):
         assert records[0].ops_inlined == 1 and "fx_fusion.grouped_linear" in code
 
 
+class NegatedAngleWeightlessNormContext(nn.Module):
+    """K normalised without a weight (`F.rms_norm(k, (D,))`), then rotated by -angle written on K's side:
+    k*cos - rotate_half(k)*sin, i.e. x1*cos + x2*sin, x2*cos - x1*sin."""
+
+    def __init__(self, n_layers=3, hidden=48, heads=2, head_dim=16):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.k_proj = nn.ModuleList(nn.Linear(hidden, heads * head_dim, bias=False) for _ in range(n_layers))
+        self.v_proj = nn.ModuleList(nn.Linear(hidden, heads * head_dim, bias=False) for _ in range(n_layers))
+
+    def forward(self, x, cos, sin):  # x [T, hidden]; cos, sin [T, head_dim]
+        outs = []
+        for k_proj, v_proj in zip(self.k_proj, self.v_proj):
+            k = torch.nn.functional.rms_norm(k_proj(x).view(-1, self.heads, self.head_dim), (self.head_dim,))
+            k = k * cos[:, None] - rotate(k, False) * sin[:, None]
+            outs += [k, v_proj(x).view(-1, self.heads, self.head_dim)]
+        return tuple(outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weightless_norm_and_negated_angle_fuse(dtype):
+    torch.manual_seed(0)
+    module = NegatedAngleWeightlessNormContext().to(dtype)
+    x = torch.randn(7, 48, dtype=dtype)
+    angles = torch.randn(7, 8)
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+    counting = check_compiled_matches_eager(module, x, cos, sin, dtype=dtype)
+    (group,) = only_fused_groups(counting.records)
+    assert group.n_layers == 3 and group.k_norm
+    assert counting.after[FUSED_OP] == 1 and counting.after[aten.rsqrt.default] == 0
+
+
+def test_compiling_leaves_the_global_rng_alone():
+    module = drafts.qwen3_context_kv(3)
+    inputs = drafts.example_inputs(module, seq_len=5)
+    torch.manual_seed(1234)
+    expected = torch.randn(4)
+    torch.manual_seed(1234)
+    records = []
+    with torch.no_grad(), RecordSink.collect(records):
+        torch.compile(module, backend="fx_fusion")(*inputs)
+    only_fused_groups(records)
+    assert torch.equal(torch.randn(4), expected)
+
+
 def test_untraceable_op_body_keeps_the_op_call_with_its_reason(monkeypatch):
     """A fused op whose body cannot be traced stays an op call (still correct), and the record says why."""
 
