@@ -15,8 +15,6 @@ path of every compiled call, and this API dispatches straight to the implementat
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .grouped_gemv import grouped_gemv_supported, launch_grouped_gemv
@@ -25,15 +23,9 @@ _library = torch.library.Library("fx_fusion", "FRAGMENT")
 _library.define("grouped_linear(Tensor x, Tensor[] weights, Tensor[] biases) -> Tensor")
 
 
-def _use_grouped_gemv(x, weights, biases, out) -> bool:
-    """The Triton path: on CUDA (or CPU through Triton's interpreter, TRITON_INTERPRET=1) when it applies."""
-    on_triton = x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
-    return on_triton and grouped_gemv_supported(x, weights, biases, out)
-
-
 def grouped_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> torch.Tensor:
     out = x.new_empty((x.shape[0], sum(w.shape[0] for w in weights)))
-    if _use_grouped_gemv(x, weights, biases, out):
+    if grouped_gemv_supported(x, weights, biases, out):  # CUDA (or CPU with TRITON_INTERPRET=1), few tokens
         launch_grouped_gemv(x, weights, biases, out)
         return out
     column = 0
