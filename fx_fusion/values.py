@@ -30,10 +30,17 @@ LAYOUT_OPS = frozenset(
 
 
 class ValueKeys:
-    """Callable: node -> hashable key of the value it computes (memoised for one graph)."""
+    """Callable: node -> hashable key of the value it computes (memoised for one graph).
+
+    Each distinct (op, argument keys) expression is numbered once, and a node's key is that number: keys
+    stay small however deep the graph (a nested key would be re-hashed down to the inputs on every lookup,
+    which grows exponentially with layers that read a value twice), and equal expressions still get equal
+    keys. Keys are comparable within one instance only.
+    """
 
     def __init__(self) -> None:
         self._memo: dict = {}
+        self._numbers: dict = {}
 
     def __call__(self, node) -> object:
         if isinstance(node, (list, tuple)):
@@ -42,11 +49,25 @@ class ValueKeys:
             return tuple(sorted((k, self(v)) for k, v in node.items()))
         if not isinstance(node, torch.fx.Node):
             return ("const", type(node).__name__, repr(node))
-        key = self._memo.get(node)
-        if key is None:
-            if node.op == "call_function":
-                key = (node.target, self(node.args), self(node.kwargs))
+        if node not in self._memo:
+            self._fill(node)
+        return self._memo[node]
+
+    def _fill(self, node: torch.fx.Node) -> None:
+        """Key `node` and its unkeyed ancestors, inputs first (iteratively: graphs can be thousands deep)."""
+        stack = [node]
+        while stack:
+            current = stack[-1]
+            if current in self._memo:
+                stack.pop()
+                continue
+            missing = [a for a in current.all_input_nodes if a not in self._memo]
+            if missing and current.op == "call_function":
+                stack.extend(missing)
+                continue
+            stack.pop()
+            if current.op == "call_function":
+                expression = (current.target, self(current.args), self(current.kwargs))
+                self._memo[current] = self._numbers.setdefault(expression, ("value", len(self._numbers)))
             else:
-                key = ("input", node)
-            self._memo[node] = key
-        return key
+                self._memo[current] = ("input", current)

@@ -43,12 +43,19 @@ _library.impl("grouped_linear", grouped_linear, "CompositeExplicitAutograd")
 
 
 def grouped_linear_body(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> torch.Tensor:
-    """What `fx_fusion.op_lowering` traces in place of a grouped_linear call that the grouped Triton kernel
-    serves (CUDA, a known token count): the kernel launched through `torch.library.wrap_triton`, so that
-    Inductor launches it from its generated code. Raises NotImplementedError where the op call should stay."""
+    """What `fx_fusion.op_lowering` traces in place of a grouped_linear call: on CUDA with a known token count
+    the grouped Triton kernel serves, that kernel launched through `torch.library.wrap_triton` (Inductor
+    launches it from its generated code); off CUDA, the linears as ATen ops that Inductor compiles with the
+    graph (no Python-level op per call). Raises NotImplementedError where the op call should stay (CUDA
+    GEMMs past the kernel's token count: cuBLAS into column slices, which ATen cannot spell without a copy)."""
+    if not x.is_cuda:
+        linears = [
+            torch.addmm(biases[i], x, w.t()) if biases else torch.mm(x, w.t()) for i, w in enumerate(weights)
+        ]
+        return torch.cat(linears, dim=1)
     out = x.new_empty((x.shape[0], sum(w.shape[0] for w in weights)))
-    if isinstance(x.shape[0], torch.SymInt) or not x.is_cuda or not grouped_gemv_supported(x, weights, biases, out):
-        raise NotImplementedError("the GEMM path (a symbolic or large token count, or not CUDA) stays an op call")
+    if isinstance(x.shape[0], torch.SymInt) or not grouped_gemv_supported(x, weights, biases, out):
+        raise NotImplementedError("past the grouped kernel's token count the op call (cuBLAS per weight) stays")
     launch_grouped_gemv(x, weights, biases, out, traceable=True)
     return out
 

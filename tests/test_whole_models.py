@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-import fx_fusion  # noqa: F401,E402  (registers backend="fx_fusion")
-from fx_fusion.diagnostics import RecordSink  # noqa: E402
+import fx_fusion  # noqa: F401  (registers backend="fx_fusion")
+from fx_fusion.diagnostics import RecordSink
 
 pytestmark = pytest.mark.usefixtures("fresh_compile")
 
@@ -194,11 +195,14 @@ def check_accounted(model, ids, records: list) -> None:
                 continue
             if any(names_module(loc, name) and reason for loc, reason in rejected):
                 continue
+            # A projection that joined a group's grouped GEMM without being its K (a V) is not named in
+            # the record, only counted: it must read the same input as a fused projection.
+            beside_fused = any(any(names_module(loc, other) for loc in fused) for other, _ in members)
+            assert beside_fused, f"{name}: neither fused nor rejected with a reason, and no fused sibling\n{text}"
             unaccounted.append(name)
-    # A projection that joined a group's grouped GEMM without being its K (a V) is counted, not named.
     assert len(unaccounted) <= views, (
-        f"{len(unaccounted)} projection(s) with a same-width sibling neither fused nor rejected with a reason "
-        f"(and only {views} V-as-view slot(s) to explain them): {unaccounted}\n{text}"
+        f"{len(unaccounted)} projection(s) neither fused nor rejected, but only {views} V-as-view slot(s) to "
+        f"explain them: {unaccounted}\n{text}"
     )
 
 
@@ -222,10 +226,12 @@ def check_attention_projections(family: Family, model, records: list) -> None:
             assert not (in_group and reasons and proj != "qkv_proj"), f"{name}: both fused and rejected\n{text}"
             for group in in_group:
                 assert group.head_dim == head_dim, text
+                kinds = {module_of(loc).rsplit(".", 1)[-1] for loc in group.layers}
                 if family.mha:
                     assert group.num_kv_heads == config.num_attention_heads, text
                 else:
-                    # GQA: Q (num_attention_heads wide) and K (num_key_value_heads) never share a group
+                    # GQA: Q (num_attention_heads heads) and K (num_key_value_heads) never share a group
+                    assert not {"q_proj", "k_proj"} <= kinds, f"Q and K of different widths fused\n{text}"
                     assert group.num_kv_heads in (config.num_attention_heads, config.num_key_value_heads), text
         if family.mha and not hasattr(attn, "qkv_proj"):
             q, k = prefix + "q_proj", prefix + "k_proj"
