@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session: CUDA tests, the memory checker on the kernel, the benchmarks, the host-cost breakdown.
-#   OUT=/some/dir bash benchmarks/gpu_session.sh [tests] [sanitize] [bench_op] [bench_gemv] [bench_module] [bench_module_quick] [host]
+#   OUT=/some/dir bash benchmarks/gpu_session.sh [tests] [sanitize] [bench_op] [bench_gemv] [bench_module]
+#       [bench_module_quick] [bench_whole] [bench_whole_mid] [host]
 # Installs the checkout editable first (offline: the build needs setuptools>=77 already installed), so
 # everything runs against the installed package; logs go to $OUT.
 set -uo pipefail
@@ -27,5 +28,7 @@ for step in "${steps[@]}"; do
     bench_module) timeout 540 python benchmarks/bench_module.py --out "$OUT" 2>&1 | tail -n 60 ;;
     host) timeout 240 python benchmarks/host_overhead.py --out "$OUT" 2>&1 | tail -n 60 ;;
     bench_module_quick) timeout 400 python benchmarks/bench_module.py --quick --out "$OUT" 2>&1 | tail -n 40 ;;
+    bench_whole) timeout 480 python benchmarks/bench_whole_model.py --device cuda --quick --out "$OUT/whole" 2>&1 | tail -n 40 ;;
+    bench_whole_mid) timeout 480 python benchmarks/bench_whole_model.py --device cuda --seq-lens 16,512 --out "$OUT/whole_mid" 2>&1 | tail -n 40 ;;
   esac
 done

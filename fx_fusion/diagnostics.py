@@ -47,10 +47,16 @@ class FusedGroup:
     # "per-token cos/sin" shared by the layers, "per-layer cos/sin" (each layer its own tables), or "cos/sin
     # cache + positions" (the op gathers the rows itself)
     rotary_tables: str = "per-token cos/sin"
+    # heads of each absorbed layer; they differ where a layer's Q joined its K (fused in blocks of
+    # num_kv_heads heads, the greatest common divisor)
+    layer_heads: list[int] = dataclasses.field(default_factory=list)
 
     def describe(self) -> str:
+        heads = f"{self.num_kv_heads} KV heads"
+        if len(set(self.layer_heads)) > 1:
+            heads = f"{'+'.join(map(str, self.layer_heads))} heads in blocks of {self.num_kv_heads}"
         return (
-            f"{self.n_layers} layers, {self.num_kv_heads} KV heads x {self.head_dim}, rotary {self.rotary_dim} "
+            f"{self.n_layers} layers, {heads} x {self.head_dim}, rotary {self.rotary_dim} "
             f"{self.rotary_style}, {'k_norm' if self.k_norm else 'no k_norm'}, {'bias' if self.bias else 'no bias'}"
         )
 

@@ -47,6 +47,7 @@ from __future__ import annotations
 import collections
 import copy
 import logging
+import math
 from typing import Optional
 
 import torch
@@ -59,7 +60,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 import fx_fusion.kernels.ops  # noqa: F401  (registers fx_fusion::materialize_*)
 import fx_fusion.kernels.grouped_linear  # noqa: F401  (registers fx_fusion::grouped_linear)
 
-from . import kv_patterns, op_lowering, rotary_action, rotary_angles
+from . import kv_patterns, op_lowering, probe_sizes, rotary_action, rotary_angles
 from .diagnostics import FusedGroup, PassRecord, RecordSink, Rejection, node_location
 from .kv_patterns import KBranch, NoMatch, Projection, is_call, val
 from . import values
@@ -103,6 +104,7 @@ class FusedKVPass(CustomGraphPass):
             rotary_action.__file__,
             rotary_angles.__file__,
             values.__file__,
+            probe_sizes.__file__,
             op_lowering.__file__,
             fx_fusion.kernels.ops.__file__,
             fx_fusion.kernels.fused_kv_materialize.__file__,
@@ -159,7 +161,7 @@ def _group_key(branch: KBranch, same_value: ValueKeys) -> tuple:
     return (
         ("input", same_value(proj.x2d)),
         ("dtype", val(proj.node).dtype),
-        ("num_kv_heads", branch.heads.num_heads),
+        ("num_kv_heads", branch.heads.num_heads),  # (_heads_apart: this, the width and column may differ)
         ("head_dim", branch.heads.head_dim),
         ("rotary_dim", rotary.rotary_dim),
         ("rotary style", "interleaved" if rotary.interleaved else "neox"),
@@ -175,6 +177,12 @@ def _group_key(branch: KBranch, same_value: ValueKeys) -> tuple:
         ("K head stride", branch.source.head_stride),
         ("stacked projection", proj.node if proj.n_layers > 1 else None),
     )
+
+
+def _heads_apart(key: tuple) -> tuple:
+    """The group key without head count, projection width and K's column: what a GQA layer's Q and K share
+    (they fuse as blocks of gcd(heads) heads when their columns are evenly spaced)."""
+    return tuple(field for field in key if field[0] not in ("num_kv_heads", "projection width", "K column in projection"))
 
 
 def _describe_difference(key: tuple, group_key: tuple) -> str:
@@ -251,28 +259,30 @@ def fuse_kv_groups(graph: torch.fx.Graph, min_layers: int = 2, stack_weights_in_
         for branch in branches:
             keyed[_group_key(branch, same_value)].append(branch)
         ordered = sorted(keyed.items(), key=lambda kv: -sum(b.n_layers for b in kv[1]))
-        main_key = ordered[0][0] if ordered else None
-        for key, members in ordered:
-            if key != main_key:
-                for branch in members:
-                    reason = _describe_difference(key, main_key)
-                    record.rejected.append(Rejection(reason, node_location(branch.projection.node)))
-                continue
+        if not ordered:
+            _explain_plain_projections(entry, fused_projections, record)
+            continue
+        main_key = ordered[0][0]
+        # Projections that differ only in head count (a layer's Q and K in GQA) fuse as blocks of heads
+        merged = [k for k, _ in ordered if _heads_apart(k) == _heads_apart(main_key)]
+        attempts = [merged, [main_key]] if len(merged) > 1 else [[main_key]]
+        fused_keys, failures = [], []
+        for keys in attempts:
+            members = [b for k in keys for b in keyed[k]]
             n_layers = sum(b.n_layers for b in members)
             if n_layers < min_layers:
-                for branch in members:
-                    reason = f"only {n_layers} matching layer(s) share this input; min_layers={min_layers}"
-                    record.rejected.append(Rejection(reason, node_location(branch.projection.node)))
+                failures.append(f"only {n_layers} matching layer(s) share this input; min_layers={min_layers}")
                 continue
             used = {b.projection.node for b in members}
             first = members[0].projection
+            widths = {b.features for b in members}
             extra = [
                 p
                 for p in entry["projections"]
                 if p.node not in used
                 and p.n_layers == 1
                 and first.n_layers == 1
-                and p.out_features == members[0].features
+                and p.out_features in widths
                 and bool(p.biases) == bool(first.biases)
                 and val(p.node).dtype == val(first.node).dtype
                 and not p.weight_transposed
@@ -280,13 +290,29 @@ def fuse_kv_groups(graph: torch.fx.Graph, min_layers: int = 2, stack_weights_in_
             try:
                 group = _rewrite_group(graph, fake_mode, members, extra, record, same_value, stack_weights_in_graph)
             except Exception as error:  # never fail a compile: leave the group as it was, say why
-                reason = str(error) if isinstance(error, NoMatch) else f"could not be fused ({type(error).__name__}: {error})"
+                failures.append(str(error) if isinstance(error, NoMatch) else f"could not be fused ({type(error).__name__}: {error})")
                 logger.debug("fx_fusion: group left alone", exc_info=True)
-                for branch in members:
-                    record.rejected.append(Rejection(reason, node_location(branch.projection.node)))
                 continue
             record.fused_groups.append(group)
             fused_projections |= used | {p.node for p in extra}
+            fused_keys = keys
+            break
+        for key, members in ordered:
+            if key in fused_keys:
+                continue
+            if key == main_key:
+                reason = failures[-1]
+                if len(attempts) > 1:
+                    reason += f"; with its siblings of other head counts as blocks of heads: {failures[0]}"
+            elif fused_keys and key in merged:
+                reason = f"{_describe_difference(key, main_key)} and could not join it as blocks of heads: {failures[0]}"
+            elif fused_keys:
+                reason = _describe_difference(key, main_key)
+            else:
+                reason = _describe_difference(key, main_key).replace("the fused group", "the largest candidate group")
+                reason += f" (which was not fused either: {failures[-1]})"
+            for branch in members:
+                record.rejected.append(Rejection(reason, node_location(branch.projection.node)))
         _explain_plain_projections(entry, fused_projections, record)
     if record.fused_groups:
         stable_topological_sort(graph)
@@ -456,8 +482,10 @@ def _shared_rotary_tables(branches: list[KBranch], same_value: ValueKeys):
     return ("shared" if len(tables) == 1 else "per layer"), None
 
 
-def _rotary_tables(builder: _GraphBuilder, branches: list[KBranch], hidden: torch.fx.Node, sizes: dict, shared: bool):
-    """Per-token (cos, sin) [tokens, rotary_dim] shared by the group, or [n_layers, tokens, rotary_dim]."""
+def _rotary_tables(builder: _GraphBuilder, branches: list[KBranch], hidden: torch.fx.Node, sizes: dict, blocks_of: Optional[dict]):
+    """Per-token (cos, sin) [tokens, rotary_dim] shared by the group (blocks_of None), or
+    [n_blocks, tokens, rotary_dim] with each branch's tables repeated for its blocks (blocks_of[id])."""
+    shared = blocks_of is None
     per_branch = []
     for branch in branches if not shared else branches[:1]:
         pair = []
@@ -465,10 +493,10 @@ def _rotary_tables(builder: _GraphBuilder, branches: list[KBranch], hidden: torc
             node = _per_token_rotary_table(builder, table, branch, hidden, sizes[table.node])
             if table is branch.rotary.sin and branch.rotary.sin_negated:  # the op rotates by +angle
                 node = builder.call(aten.neg.default, node)
-            if not shared:  # one [1 or n_layers, tokens, rotary_dim] block per branch
+            if not shared:  # [blocks, tokens, rotary_dim] per branch
                 node = builder.call(aten.unsqueeze.default, node, 0)
-                if branch.n_layers > 1:
-                    node = builder.call(aten.expand.default, node, [branch.n_layers, -1, -1])
+                if blocks_of[id(branch)] > 1:
+                    node = builder.call(aten.expand.default, node, [blocks_of[id(branch)], -1, -1])
             pair.append(node)
         per_branch.append(pair)
     if shared:
@@ -503,30 +531,35 @@ def _rewrite_group(
     for projection in projections:
         offsets[projection.node] = column
         column += projection.out_features
-    # First projection column of each layer's K, in layer order; the fused op reads them as a strided
-    # [tokens, n_layers, kv_size] view, so they must be evenly spaced.
-    col_start, features = first.source.col_start, first.features
+    # Each layer's K in blocks of `unit` heads (one block per layer unless head counts differ, e.g. a GQA
+    # layer's Q and K): the first projection column of every block, in order. The fused op reads them as
+    # a strided [tokens, n_blocks, unit * head_dim] view, so they must be evenly spaced.
+    head_dim = first.heads.head_dim
+    head_stride = first.source.head_stride or head_dim
+    unit = math.gcd(*(b.heads.num_heads for b in branches))
+    blocks_of = {id(b): b.n_layers * (b.heads.num_heads // unit) for b in branches}
     k_columns = [
-        offsets[b.projection.node] + layer * b.projection.layer_width + col_start
+        offsets[b.projection.node] + layer * b.projection.layer_width + b.source.col_start + block * unit * head_stride
         for b in branches
         for layer in range(b.n_layers)
+        for block in range(b.heads.num_heads // unit)
     ]
-    n_layers = len(k_columns)
-    step = k_columns[1] - k_columns[0] if n_layers > 1 else first.projection.layer_width
-    block_start = k_columns[0] - col_start
-    num_heads, head_dim = first.heads.num_heads, first.heads.head_dim
-    head_stride = first.source.head_stride or head_dim
+    n_blocks, features = len(k_columns), unit * head_dim
+    split_heads = n_blocks > sum(b.n_layers for b in branches)  # some layer's heads span several blocks
+    step = k_columns[1] - k_columns[0] if n_blocks > 1 else first.projection.layer_width
+    within = max(0, k_columns[0] + n_blocks * step - column)  # K's first column inside each block's step
+    block_start = k_columns[0] - within
     if (
         any(c != k_columns[0] + i * step for i, c in enumerate(k_columns))
-        or col_start + (num_heads - 1) * head_stride + head_dim > step
-        or block_start + n_layers * step > column
+        or within + (unit - 1) * head_stride + head_dim > step
+        or block_start < 0
         or step % head_stride
     ):
         raise NoMatch("K columns of the stacked projection are not evenly spaced")
 
     x2d = min((p.x2d for p in projections), key=lambda n: list(graph.nodes).index(n))
     norm_weights = [b.norm.weight for b in branches] if first.norm and first.norm.weight is not None else []
-    eps_nodes = [b.norm.eps for b in branches for _ in range(b.n_layers) if first.norm and isinstance(b.norm.eps, torch.fx.Node)]
+    eps_nodes = [b.norm.eps for b in branches for _ in range(blocks_of[id(b)]) if first.norm and isinstance(b.norm.eps, torch.fx.Node)]
     table_kind, cache_positions = _shared_rotary_tables(branches, same_value)
     if cache_positions is not None:
         tables = list(cache_positions)
@@ -551,22 +584,28 @@ def _rewrite_group(
             weights = [w for p in projections for w in p.weights]
             biases = [b for p in projections for b in p.biases]
             proj = _grouped_gemm(builder, x2d, weights, biases, stack_in_graph)
-            k_block = builder.call(aten.slice.Tensor, proj, 1, block_start, block_start + n_layers * step)
-            k_block = builder.call(aten.view.default, k_block, [-1, n_layers, step])
-            if head_stride == head_dim:  # [tokens, n_layers, kv_size]
-                k_proj = builder.call(aten.slice.Tensor, k_block, 2, col_start, col_start + features)
-            else:  # heads apart from each other: [tokens, n_layers, num_heads, head_dim], strided
-                k_proj = builder.call(aten.view.default, k_block, [-1, n_layers, step // head_stride, head_stride])
-                first_head = col_start // head_stride
-                k_proj = builder.call(aten.slice.Tensor, k_proj, 2, first_head, first_head + num_heads)
-                within = col_start % head_stride
-                k_proj = builder.call(aten.slice.Tensor, k_proj, 3, within, within + head_dim)
+            k_block = builder.call(aten.slice.Tensor, proj, 1, block_start, block_start + n_blocks * step)
+            k_block = builder.call(aten.view.default, k_block, [-1, n_blocks, step])
+            if head_stride == head_dim:  # [tokens, n_blocks, unit * head_dim]
+                k_proj = builder.call(aten.slice.Tensor, k_block, 2, within, within + features)
+            else:  # heads apart from each other: [tokens, n_blocks, unit, head_dim], strided
+                k_proj = builder.call(aten.view.default, k_block, [-1, n_blocks, step // head_stride, head_stride])
+                first_head = within // head_stride
+                k_proj = builder.call(aten.slice.Tensor, k_proj, 2, first_head, first_head + unit)
+                offset = within % head_stride
+                k_proj = builder.call(aten.slice.Tensor, k_proj, 3, offset, offset + head_dim)
             if first.norm is not None and first.norm.weight is None:  # a weightless norm scales by ones
                 norm_weights = [builder.call(
-                    aten.full.default, [n_layers, head_dim], 1.0, dtype=val(x2d).dtype, device=val(x2d).device
+                    aten.full.default, [n_blocks, head_dim], 1.0, dtype=val(x2d).dtype, device=val(x2d).device
                 )]  # fmt: skip
-            elif len(norm_weights) > 1:  # one [n_layers, head_dim] table; the parameters stay where they are
-                rows = [builder.call(aten.reshape.default, w, [-1, head_dim]) for w in norm_weights]
+            elif norm_weights and (len(norm_weights) > 1 or split_heads):  # one [n_blocks, head_dim] table
+                rows = []  # (the parameters stay where they are)
+                for branch, weight in zip(branches, norm_weights):
+                    row = builder.call(aten.reshape.default, weight, [-1, 1, head_dim])
+                    blocks = blocks_of[id(branch)] // branch.n_layers
+                    if blocks > 1:  # the layer's weight for each of its blocks of heads
+                        row = builder.call(aten.expand.default, row, [-1, blocks, head_dim])
+                    rows.append(builder.call(aten.reshape.default, row, [-1, head_dim]))
                 norm_weights = [builder.call(aten.cat.default, rows)]
             eps_value, eps_tensor = 0.0, None
             if first.norm is not None:
@@ -582,7 +621,7 @@ def _rewrite_group(
                 cos, sin = cache_positions[0], None
                 positions = builder.call(aten.reshape.default, cache_positions[1], [-1])
             else:
-                cos, sin = _rotary_tables(builder, branches, hidden, table_sizes, shared=table_kind == "shared")
+                cos, sin = _rotary_tables(builder, branches, hidden, table_sizes, None if table_kind == "shared" else blocks_of)
                 positions = None
             k_all = builder.call(
                 torch.ops.fx_fusion.materialize_k.default,
@@ -593,24 +632,27 @@ def _rewrite_group(
                 cos,
                 sin,
                 positions,
-                first.heads.num_heads,
-                first.heads.head_dim,
+                unit,
+                head_dim,
                 first.rotary.rotary_dim,
                 first.rotary.interleaved,
                 first.norm.weight_offset if first.norm else 0.0,
                 first.norm.weight_in_float32 if first.norm else False,
                 first.norm.round_before_rope if first.norm else True,
+                # a layer in several blocks (Q beside K) reads its blocks as one [tokens, heads] view
+                **({"token_major": True} if split_heads else {}),
             )
-            new_outputs, layer = [], 0
+            new_outputs, block = [], 0
             for branch in branches:
-                if branch.n_layers == 1:  # [tokens, H, D] of this layer
-                    k_branch = builder.call(aten.select.int, k_all, 0, layer)
-                else:  # stacked spelling: [tokens, n_layers, H, D]
-                    k_branch = builder.call(aten.slice.Tensor, k_all, 0, layer, layer + branch.n_layers)
+                count = blocks_of[id(branch)]
+                if count == 1:  # [tokens, H, D] of this layer
+                    k_branch = builder.call(aten.select.int, k_all, 0, block)
+                else:  # stacked layers or blocks of heads: [tokens, count, unit, D]
+                    k_branch = builder.call(aten.slice.Tensor, k_all, 0, block, block + count)
                     k_branch = builder.call(aten.permute.default, k_branch, [1, 0, 2, 3])
-                layer += branch.n_layers
-                k_branch = builder.call(aten.reshape.default, k_branch, [-1, branch.n_layers * features])
-                shape = branch.source.output_shape(features)
+                block += count
+                k_branch = builder.call(aten.reshape.default, k_branch, [-1, branch.n_layers * branch.features])
+                shape = branch.source.output_shape(branch.features)
                 if shape is not None:
                     k_branch = builder.call(aten.reshape.default, k_branch, shape)
                 k_branch = builder.replay(branch.layout_before_norm + branch.layout_after_norm, k_branch)
@@ -628,9 +670,9 @@ def _rewrite_group(
     record.graph_before += before
     record.graph_after += "\n".join(n.format_node() for n in angles + builder.created) + "\n"
     return FusedGroup(
-        n_layers=n_layers,
-        num_kv_heads=first.heads.num_heads,
-        head_dim=first.heads.head_dim,
+        n_layers=sum(b.n_layers for b in branches),
+        num_kv_heads=unit,
+        head_dim=head_dim,
         rotary_dim=first.rotary.rotary_dim,
         rotary_style="interleaved" if first.rotary.interleaved else "neox",
         k_norm=first.norm is not None,
@@ -639,6 +681,7 @@ def _rewrite_group(
         rotary_matmuls_as_mul=len(angles),
         rotary_tables={"cache": "cos/sin cache + positions", "shared": "per-token cos/sin", "per layer": "per-layer cos/sin"}[table_kind],
         layers=[node_location(b.projection.node) for b in branches],
+        layer_heads=[b.heads.num_heads for b in branches for _ in range(b.n_layers)],
     )
 
 

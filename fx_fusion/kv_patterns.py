@@ -27,6 +27,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import rotary_action
+from .probe_sizes import FULL_SIZE, ProbeMismatch, ProbeSizes, probe_call
 from .values import LAYOUT_OPS, ValueKeys
 
 aten = torch.ops.aten
@@ -502,11 +503,11 @@ class HeadLayout:
     layer_axis: Optional[int] = None  # the axis enumerating layers (stacked spelling only)
 
 
-def replay(nodes: list[torch.fx.Node], start: torch.Tensor) -> torch.Tensor:
-    """Apply the layout ops `nodes` (a forward chain) to a real tensor."""
+def replay(nodes: list[torch.fx.Node], start: torch.Tensor, sizes: ProbeSizes = FULL_SIZE) -> torch.Tensor:
+    """Apply the layout ops `nodes` (a forward chain) to a real tensor (token sizes mapped by `sizes`)."""
     value = start
     for node in nodes:
-        value = node.target(value, *hinted(list(node.args[1:])), **hinted(dict(node.kwargs)))
+        value = probe_call(node, node.target, [value, *hinted(list(node.args[1:]))], hinted(dict(node.kwargs)), sizes)
     return value
 
 
@@ -672,14 +673,30 @@ def match_k_branch(projection: Projection, source: "BranchSource") -> KBranch:
     def layout_at(index: torch.Tensor) -> HeadLayout:
         return head_layout(index, source, row_width, projection.layer_width, projection.n_layers, features, head_dim)
 
-    with unset_fake_temporarily():  # the index simulation runs on real tensors, also inside a traced pass
-        index = torch.arange(rows * row_width, dtype=torch.int64).view(rows, row_width)
-        index = source.index(index, features)
-        at_norm = replay(layout_before, index)
+    def simulate(sizes: ProbeSizes) -> HeadLayout:
+        index = torch.arange(sizes(rows) * row_width, dtype=torch.int64).view(sizes(rows), row_width)
+        index = source.index(index, features, sizes)
+        at_norm = replay(layout_before, index, sizes)
         if norm is not None:
             _check_norm_input(at_norm, layout_at, norm, projection.n_layers, features, head_dim)
-        heads = layout_at(replay(layout_after, at_norm))
+        return layout_at(replay(layout_after, at_norm, sizes))
+
+    # the index simulation runs on real tensors (also inside a traced pass), over a few tokens when it can
+    with unset_fake_temporarily():
+        try:
+            heads = simulate(_token_sizes(projection, source, layout_before + layout_after))
+        except (ProbeMismatch, RuntimeError, IndexError):
+            heads = simulate(FULL_SIZE)
     return KBranch(projection, source, layout_before, layout_after, norm, rotary, heads)
+
+
+def _token_sizes(projection: Projection, source: "BranchSource", chain: list[torch.fx.Node]) -> ProbeSizes:
+    """Probe sizes for a branch's index simulation: the projection's row count and the sizes it splits
+    into along the branch (e.g. B and T of `view(B, T, H, D)`)."""
+    rows = static_shape(projection.node)[0]
+    nodes = source.prefix + ([source.group_view] if source.group_view is not None else []) + chain
+    dims = {n for node in nodes for n in static_shape(node)[:-1]}
+    return ProbeSizes([rows] + [n for n in dims if n > 1 and rows % n == 0])
 
 
 @dataclasses.dataclass
@@ -708,12 +725,12 @@ class BranchSource:
             return list(self.group_view.args[1][:-1]) + [static_shape(self.node)[-1]]
         return list(self.prefix[-1].args[1][:-1]) + [features] if self.prefix else None
 
-    def index(self, index: torch.Tensor, features: int) -> torch.Tensor:
+    def index(self, index: torch.Tensor, features: int, sizes: ProbeSizes = FULL_SIZE) -> torch.Tensor:
         """The projection's flat element index laid out as this source."""
-        index = replay(self.prefix, index)
+        index = replay(self.prefix, index, sizes)
         if self.group_view is not None:
             width = static_shape(self.node)[-1]
-            return replay([self.group_view], index)[..., self.col_start : self.col_start + width]
+            return replay([self.group_view], index, sizes)[..., self.col_start : self.col_start + width]
         return index[..., self.col_start : self.col_start + features]
 
 

@@ -33,6 +33,7 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from .probe_sizes import FULL_SIZE, ProbeMismatch, ProbeSizes, probe_call
 from .values import LAYOUT_OPS, ValueKeys
 
 aten = torch.ops.aten
@@ -175,8 +176,8 @@ def _closed_outputs(start: torch.fx.Node, inside: dict) -> list[torch.fx.Node]:
 class _Probe:
     """Evaluates a rotary region in float64 for given K and table values (casts are skipped)."""
 
-    def __init__(self, start: torch.fx.Node, nodes: list[torch.fx.Node], inside: dict):
-        self.start, self.nodes = start, nodes
+    def __init__(self, start: torch.fx.Node, nodes: list[torch.fx.Node], inside: dict, sizes: ProbeSizes):
+        self.start, self.nodes, self.sizes = start, nodes, sizes
         same_value = ValueKeys()
         self.tables: list[torch.fx.Node] = []  # one representative per distinct table value
         self.table_of: dict = {}
@@ -190,8 +191,8 @@ class _Probe:
                     keys[key] = len(self.tables)
                     self.tables.append(arg)
                 self.table_of[arg] = keys[key]
-        self.shape = list(_hint(list(node_val(start).shape)))
-        self.table_shapes = [list(_hint(list(node_val(t).shape))) for t in self.tables]
+        self.shape = sizes(list(_hint(list(node_val(start).shape))))
+        self.table_shapes = [sizes(list(_hint(list(node_val(t).shape)))) for t in self.tables]
 
     def run(self, k: torch.Tensor, tables: list[torch.Tensor]) -> torch.Tensor:
         env = {self.start: k}
@@ -207,10 +208,9 @@ class _Probe:
             args, kwargs = value(node.args), {k: value(v) for k, v in node.kwargs.items()}
             if node.target in (prims.convert_element_type.default, aten._to_copy.default):
                 env[node] = args[0]
-            elif node.target in _VIEWS:
-                env[node] = aten.reshape.default(*args, **kwargs)
             else:
-                env[node] = node.target(*args, **kwargs)
+                target = aten.reshape.default if node.target in _VIEWS else node.target
+                env[node] = probe_call(node, target, list(args), kwargs, self.sizes)
         return env[self.nodes[-1]]
 
 
@@ -263,11 +263,17 @@ def match_rotation(k: torch.fx.Node) -> Rotation:
     if not candidates:
         raise NotRotary("no rotary embedding (K times cos plus rotated K times sin) on K")
     reasons = []
+    few_tokens = ProbeSizes(_hint(list(node_val(k).shape))[:-1])
     for out, ancestors in candidates:
         nodes = [n for n in inside if n in ancestors]
         try:
             with unset_fake_temporarily(), torch.no_grad():
-                return _identify(k, out, nodes, inside)
+                try:  # over a few tokens (probe_sizes); at full size where that does not reproduce the graph
+                    return _identify(k, out, nodes, inside, few_tokens)
+                except (ProbeMismatch, RuntimeError, IndexError):
+                    if not few_tokens:
+                        raise
+                return _identify(k, out, nodes, inside, FULL_SIZE)
         except NotRotary as reason:
             reasons.append(str(reason))
         except Exception as error:  # an op the probe cannot evaluate: not something we can prove
@@ -275,8 +281,8 @@ def match_rotation(k: torch.fx.Node) -> Rotation:
     raise NotRotary(reasons[0])
 
 
-def _identify(k: torch.fx.Node, out: torch.fx.Node, nodes: list[torch.fx.Node], inside: dict) -> Rotation:
-    probe = _Probe(k, nodes, inside)
+def _identify(k: torch.fx.Node, out: torch.fx.Node, nodes: list[torch.fx.Node], inside: dict, sizes: ProbeSizes) -> Rotation:
+    probe = _Probe(k, nodes, inside, sizes)
     shape = probe.shape
     numel, head_dim = torch.Size(shape).numel(), shape[-1]
     k_codes = torch.arange(1, numel + 1, dtype=torch.float64).view(shape)

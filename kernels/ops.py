@@ -25,7 +25,8 @@ Ops (namespace `fx_fusion`), all backed by one kernel (`fused_kv_materialize.py`
                             end, round(rope(x * inv_rms * w)) (SGLang's reference math for the stacked layout).
                             False needs norm_weight_in_float32=True (ValueError otherwise); no effect without a norm
 
-    materialize_k(<common>) -> k_out
+    materialize_k(<common>, token_major=False) -> k_out      token_major: k_out is the transpose of a contiguous
+                                                            [total_ctx, n_layers, num_kv_heads, head_dim]
     materialize_kv(<common>, v_proj) -> (k_out, v_out)          v_proj: k_proj's shape (3-D or 4-D), any strides
     materialize_kv_out(<common>, v_proj, k_out, v_out) -> None  writes k_out, v_out in place
 
@@ -392,11 +393,22 @@ def _validate(common: tuple, v_proj=None, k_out=None, v_out=None) -> None:
     )  # fmt: skip
 
 
-def _new_output(common: tuple) -> torch.Tensor:
-    """An empty [n_layers, total_ctx, num_kv_heads, head_dim] tensor like k_proj."""
+def _new_output(common: tuple, token_major: bool = False) -> torch.Tensor:
+    """An empty [n_layers, total_ctx, num_kv_heads, head_dim] tensor like k_proj: contiguous, or
+    token_major: the transpose of a contiguous [total_ctx, n_layers, num_kv_heads, head_dim] one."""
     c = CommonArgs(*common)
     total_ctx, n_layers = c.k_proj.shape[:2]
+    if token_major:
+        return c.k_proj.new_empty((total_ctx, n_layers, c.num_kv_heads, c.head_dim)).transpose(0, 1)
     return c.k_proj.new_empty((n_layers, total_ctx, c.num_kv_heads, c.head_dim))
+
+
+_N_COMMON = len(CommonArgs._fields)
+
+
+def _common_and_token_major(args: tuple, kwargs: dict) -> tuple[tuple, bool]:
+    """materialize_k's arguments: the common ones, and token_major (positional or keyword, default False)."""
+    return args[:_N_COMMON], bool(args[_N_COMMON] if len(args) > _N_COMMON else kwargs.get("token_major", False))
 
 
 def _stacked_norm_weight(
@@ -438,9 +450,10 @@ def _launch(backend, common: tuple, v_proj, k_out, v_out) -> None:
 # `_run_cpu`. They validate before allocating anything.
 
 
-def _materialize_k(backend, *common) -> torch.Tensor:
+def _materialize_k(backend, *args, **kwargs) -> torch.Tensor:
+    common, token_major = _common_and_token_major(args, kwargs)
     _validate(common)
-    k_out = _new_output(common)
+    k_out = _new_output(common, token_major)
     _launch(backend, common, None, k_out, None)
     return k_out
 
@@ -459,19 +472,21 @@ def _materialize_kv_out(backend, *args) -> None:
     _launch(backend, common, v_proj, k_out, v_out)
 
 
-def materialize_k_body(*common) -> torch.Tensor:
+def materialize_k_body(*args, **kwargs) -> torch.Tensor:
     """What `fx_fusion.op_lowering` traces in place of a materialize_k call: on CUDA the Triton kernel
     launched through `torch.library.wrap_triton` (Inductor launches it from its generated code), elsewhere the
     same math in PyTorch ops (Inductor compiles it with the rest of the graph)."""
+    common, token_major = _common_and_token_major(args, kwargs)
     _validate(common)
     c = CommonArgs(*common)
     norm_weight = _stacked_norm_weight(c.k_norm_weight, c.k_proj.shape[1], c.head_dim)
     if not c.k_proj.is_cuda:
-        return materialized_k_torch(
+        k_out = materialized_k_torch(
             c.k_proj, norm_weight, c.eps, c.eps_value, c.cos, c.sin, c.positions, c.num_kv_heads, c.head_dim,
             c.rotary_dim, c.interleaved, c.norm_weight_offset, c.norm_weight_in_float32, c.norm_round_before_rope,
         )  # fmt: skip
-    k_out = _new_output(common)
+        return k_out.transpose(0, 1).contiguous().transpose(0, 1) if token_major else k_out
+    k_out = _new_output(common, token_major)
     launch_fused_kv_materialize(
         c.k_proj, None, norm_weight, c.eps, c.eps_value, c.cos, c.sin, c.positions, k_out, None,
         c.num_kv_heads, c.head_dim, c.rotary_dim, c.interleaved, c.norm_weight_offset, c.norm_weight_in_float32,
@@ -489,7 +504,7 @@ _COMMON_SCHEMA = (
     "float norm_weight_offset, bool norm_weight_in_float32, bool norm_round_before_rope"
 )
 _library = torch.library.Library("fx_fusion", "FRAGMENT")
-_library.define(f"materialize_k({_COMMON_SCHEMA}) -> Tensor")
+_library.define(f"materialize_k({_COMMON_SCHEMA}, bool token_major=False) -> Tensor")
 _library.define(f"materialize_kv({_COMMON_SCHEMA}, Tensor v_proj) -> (Tensor, Tensor)")
 _library.define(f"materialize_kv_out({_COMMON_SCHEMA}, Tensor v_proj, Tensor(a!) k_out, Tensor(b!) v_out) -> ()")
 for _name, _body in (
@@ -502,9 +517,10 @@ for _name, _body in (
 
 
 @torch.library.register_fake("fx_fusion::materialize_k")
-def _materialize_k_fake(*common):
+def _materialize_k_fake(*args, **kwargs):
+    common, token_major = _common_and_token_major(args, kwargs)
     _validate(common)
-    return _new_output(common)
+    return _new_output(common, token_major)
 
 
 @torch.library.register_fake("fx_fusion::materialize_kv")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Callable, Optional
 
 import torch
@@ -33,9 +34,10 @@ N_LAYERS = 3
 HIDDEN = 64
 KV_HEADS = 2
 HEAD_DIM = 32
-TOKENS = 6
+# tokens per sequence; SPELLING_CORPUS_TOKENS=600 runs every case past probe_sizes.LARGE (few-token probes)
+TOKENS = int(os.environ.get("SPELLING_CORPUS_TOKENS", "6"))
 BATCH = 2
-MAX_POS = 64
+MAX_POS = max(64, 2 * TOKENS + 16)
 EPS = 1e-6
 
 

@@ -452,6 +452,21 @@ def test_out_variant_with_strided_outputs(device: str) -> None:
     assert torch.equal(v_into, expected_v)
 
 
+def test_token_major_output_is_the_same_values_laid_out_token_first(device: str) -> None:
+    case = Case(dtype=torch.float32)
+    inputs = make_inputs(case, device)
+    expected = OPS.materialize_k(*inputs.common(case))
+    with poisoned_allocations():
+        token_major = OPS.materialize_k(*inputs.common(case), token_major=True)
+    assert token_major.shape == expected.shape and token_major.transpose(0, 1).is_contiguous()
+    torch.testing.assert_close(token_major, expected, rtol=0, atol=0)
+    mode = torch._subclasses.fake_tensor.FakeTensorMode()  # the fake kernel promises the same strides
+    fake_args = torch.utils._pytree.tree_map_only(torch.Tensor, mode.from_tensor, inputs.common(case))
+    with mode:
+        fake = OPS.materialize_k(*fake_args, token_major=True)
+    assert fake.stride() == token_major.stride()
+
+
 def test_drop_in_writes_given_outputs(device: str) -> None:
     case = Case()
     inputs = make_inputs(case, device)
