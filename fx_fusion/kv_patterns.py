@@ -642,9 +642,11 @@ def _rotation_after(start: torch.fx.Node, required: bool):
         except rotary_action.NotRotary as reason:
             reasons.append(str(reason))
     looks_rotated = any(is_call(u, aten.mul.Tensor, aten.slice.Tensor) for p in points for u in p.users)
+    # the most telling reason: one that found a rotary-like region, else the furthest point's
+    found = [r for r in reasons if r != rotary_action.NO_ROTATION] or reasons
     if required or looks_rotated:
-        raise NoMatch(reasons[0])
-    raise NotKBranch(reasons[0])
+        raise NoMatch(found[0])
+    raise NotKBranch(found[0])
 
 
 def match_k_branch(projection: Projection, source: "BranchSource") -> KBranch:

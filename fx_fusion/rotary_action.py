@@ -58,6 +58,9 @@ _VIEWS = {aten.view.default, aten._unsafe_view.default}  # evaluated as reshape:
 _MAX_REGION = 256
 
 
+NO_ROTATION = "no rotary embedding (K times cos plus rotated K times sin) on K"
+
+
 class NotRotary(Exception):
     """The nodes after K do not compute a rotary embedding; the message says how."""
 
@@ -257,11 +260,11 @@ def _table_mode(shape: list[int], k_shape: list[int], index: torch.Tensor, rotar
 def match_rotation(k: torch.fx.Node) -> Rotation:
     """Find the rotary embedding applied to `k` ([..., head_dim]); raises NotRotary with the reason."""
     if not isinstance(node_val(k), torch.Tensor) or node_val(k).dim() == 0:
-        raise NotRotary("no rotary embedding (K times cos plus rotated K times sin) on K")
+        raise NotRotary(NO_ROTATION)
     inside = _region(k)
     candidates = _closed_outputs(k, inside)
     if not candidates:
-        raise NotRotary("no rotary embedding (K times cos plus rotated K times sin) on K")
+        raise NotRotary(NO_ROTATION)
     reasons = []
     few_tokens = ProbeSizes(_hint(list(node_val(k).shape))[:-1])
     for out, ancestors in candidates:
