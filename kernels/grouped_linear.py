@@ -5,8 +5,8 @@
 
 Every weight is read where it lives: nothing is stacked, copied or re-homed, so a module's parameters, their
 storage, `state_dict()`, pickles and in-place updates stay exactly the user's. For a few tokens on CUDA
-(`grouped_gemv.MAX_TOKENS` or fewer), one Triton launch computes every linear, so that all SMs stream weights at
-once; otherwise each linear is one GEMM writing straight into its column slice of `out` (a row-major slice
+(`grouped_gemv.MAX_TOKENS` or fewer), one Triton launch computes every linear (weights of different row
+counts as row blocks of their gcd), so that all SMs stream weights at once; otherwise each linear is one GEMM writing straight into its column slice of `out` (a row-major slice
 is a valid GEMM output with the full row as leading dimension, so nothing is copied).
 
 Defined with the low-level `torch.library.Library` API (schema + implementation + fake): it sits on the hot
@@ -14,6 +14,9 @@ path of every compiled call, and this API dispatches straight to the implementat
 """
 
 from __future__ import annotations
+
+import math
+from typing import Sequence
 
 import torch
 
@@ -23,10 +26,26 @@ _library = torch.library.Library("fx_fusion", "FRAGMENT")
 _library.define("grouped_linear(Tensor x, Tensor[] weights, Tensor[] biases) -> Tensor")
 
 
+MIN_BLOCK_ROWS = 64  # row blocks narrower than this would leave the grouped kernel's tiles mostly empty
+
+
+def equal_row_blocks(weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor]) -> tuple[list, list]:
+    """Weights (and biases) of different row counts as row blocks of their gcd, in order: views, nothing
+    copied, the same output columns. The grouped kernel reads weights of one shape (a layer's Q [4096, K]
+    beside its K and V [1024, K] are 4 + 1 + 1 blocks of [1024, K])."""
+    rows = [w.shape[0] for w in weights]
+    unit = math.gcd(*rows) if rows else 0
+    if len(set(rows)) < 2 or unit < MIN_BLOCK_ROWS:
+        return list(weights), list(biases)
+    blocks = lambda t: [t[i : i + unit] for i in range(0, t.shape[0], unit)]  # noqa: E731
+    return [b for w in weights for b in blocks(w)], [b for bias in biases for b in blocks(bias)]
+
+
 def grouped_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> torch.Tensor:
     out = x.new_empty((x.shape[0], sum(w.shape[0] for w in weights)))
-    if grouped_gemv_supported(x, weights, biases, out):  # CUDA (or CPU with TRITON_INTERPRET=1), few tokens
-        launch_grouped_gemv(x, weights, biases, out)
+    blocks, bias_blocks = equal_row_blocks(weights, biases)
+    if grouped_gemv_supported(x, blocks, bias_blocks, out):  # CUDA (or CPU with TRITON_INTERPRET=1), few tokens
+        launch_grouped_gemv(x, blocks, bias_blocks, out)
         return out
     column = 0
     for i, weight in enumerate(weights):
@@ -54,9 +73,10 @@ def grouped_linear_body(x: torch.Tensor, weights: list[torch.Tensor], biases: li
         ]
         return torch.cat(linears, dim=1)
     out = x.new_empty((x.shape[0], sum(w.shape[0] for w in weights)))
-    if isinstance(x.shape[0], torch.SymInt) or not grouped_gemv_supported(x, weights, biases, out):
+    blocks, bias_blocks = equal_row_blocks(weights, biases)
+    if isinstance(x.shape[0], torch.SymInt) or not grouped_gemv_supported(x, blocks, bias_blocks, out):
         raise NotImplementedError("past the grouped kernel's token count the op call (cuBLAS per weight) stays")
-    launch_grouped_gemv(x, weights, biases, out, traceable=True)
+    launch_grouped_gemv(x, blocks, bias_blocks, out, traceable=True)
     return out
 
 

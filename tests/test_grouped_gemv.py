@@ -24,6 +24,7 @@ from fx_fusion.kernels.grouped_gemv import (
     grouped_linear_reference,
     launch_grouped_gemv,
 )
+from fx_fusion.kernels.grouped_linear import equal_row_blocks
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 BACKENDS = [
@@ -210,6 +211,29 @@ def test_wide_token_tiles_for_few_tokens(block_t: int, device: str) -> None:
     out, _ = poisoned_out(case, device)
     launch_grouped_gemv(x, weights, biases, out, block_t=block_t)
     assert_matches_reference(out, x, weights, biases)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+def test_weights_of_different_rows_run_as_row_blocks(bias: bool, device: str) -> None:
+    """A GQA layer's Q beside its K and V (4 + 1 + 1 blocks of gcd rows): one grouped launch, views only."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 40, generator=gen).to(device)
+    weights = [torch.randn(rows, 40, generator=gen).to(device) for rows in (4 * 64, 64, 64)]
+    biases = [torch.randn(w.shape[0], generator=gen).to(device) for w in weights] if bias else []
+    blocks, bias_blocks = equal_row_blocks(weights, biases)
+    assert [b.shape[0] for b in blocks] == [64] * 6 and all(b._base is not None for b in blocks[:4])
+    assert blocks[0].data_ptr() == weights[0].data_ptr() and len(bias_blocks) == (6 if bias else 0)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)  # new tensors come filled with NaN: unwritten columns show
+    try:
+        out = torch.ops.fx_fusion.grouped_linear(x, weights, biases)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert grouped_gemv_supported(x, blocks, bias_blocks, out)
+    assert_matches_reference(out, x, weights, biases)
+    assert equal_row_blocks(weights[1:], biases[1:])[0] == weights[1:]  # equal rows: left as they are
+    narrow = [weights[0][:96], weights[1]]  # gcd 32 < MIN_BLOCK_ROWS: no blocks (per-weight GEMMs)
+    assert equal_row_blocks(narrow, [])[0] == narrow
 
 
 def test_more_tokens_than_max_tokens(device: str) -> None:
