@@ -62,22 +62,19 @@ _library.impl("grouped_linear", grouped_linear, "CompositeExplicitAutograd")
 
 
 def grouped_linear_body(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> torch.Tensor:
-    """What `fx_fusion.op_lowering` traces in place of a grouped_linear call: on CUDA with a known token count
-    the grouped Triton kernel serves, that kernel launched through `torch.library.wrap_triton` (Inductor
-    launches it from its generated code); off CUDA, the linears as ATen ops that Inductor compiles with the
-    graph (no Python-level op per call). Raises NotImplementedError where the op call should stay (CUDA
-    GEMMs past the kernel's token count: cuBLAS into column slices, which ATen cannot spell without a copy)."""
-    if not x.is_cuda:
-        linears = [
-            torch.addmm(biases[i], x, w.t()) if biases else torch.mm(x, w.t()) for i, w in enumerate(weights)
-        ]
-        return torch.cat(linears, dim=1)
-    out = x.new_empty((x.shape[0], sum(w.shape[0] for w in weights)))
-    blocks, bias_blocks = equal_row_blocks(weights, biases)
-    if isinstance(x.shape[0], torch.SymInt) or not grouped_gemv_supported(x, blocks, bias_blocks, out):
-        raise NotImplementedError("past the grouped kernel's token count the op call (cuBLAS per weight) stays")
-    launch_grouped_gemv(x, blocks, bias_blocks, out, traceable=True)
-    return out
+    """What `fx_fusion.op_lowering` traces in place of a grouped_linear call: on CUDA, for a known token
+    count the grouped kernel serves, that kernel launched through `torch.library.wrap_triton` (Inductor
+    launches it from its generated code); otherwise the linears as ATen mm/addmm and a cat over columns,
+    which Inductor compiles with the graph (no Python-level op per call; on CUDA each cuBLAS GEMM writes
+    straight into its column slice of the cat's output)."""
+    if x.is_cuda and not isinstance(x.shape[0], torch.SymInt):
+        out = x.new_empty((x.shape[0], sum(w.shape[0] for w in weights)))
+        blocks, bias_blocks = equal_row_blocks(weights, biases)
+        if grouped_gemv_supported(x, blocks, bias_blocks, out):
+            launch_grouped_gemv(x, blocks, bias_blocks, out, traceable=True)
+            return out
+    linears = [torch.addmm(biases[i], x, w.t()) if biases else torch.mm(x, w.t()) for i, w in enumerate(weights)]
+    return torch.cat(linears, dim=1)
 
 
 @torch.library.register_fake("fx_fusion::grouped_linear")

@@ -464,6 +464,21 @@ def test_inductor_generates_the_fused_code(device, options):
         assert records[0].ops_inlined == 2 and "fx_fusion.grouped_linear" not in code
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_many_tokens_on_cuda_run_cublas_from_inductor_code():
+    """Past the grouped kernel's token count the projections are cuBLAS GEMMs launched by Inductor (into
+    column slices of one output), not a Python-level op call."""
+    module = drafts.qwen3_context_kv(3, dtype=torch.bfloat16, device="cuda")
+    inputs = drafts.example_inputs(module, seq_len=200)
+    records = []
+    with torch.no_grad(), RecordSink.collect(records):
+        got, codes = torch._inductor.utils.run_and_get_code(torch.compile(module, backend="fx_fusion"), *inputs)
+        assert_close_outputs(got, module(*inputs), torch.bfloat16)
+    code = "\n".join(codes)
+    assert only_fused_groups(records) and records[0].ops_inlined == 2 and not records[0].ops_kept
+    assert "fx_fusion.grouped_linear" not in code and "extern_kernels.mm(" in code
+
+
 class NegatedAngleWeightlessNormContext(nn.Module):
     """K normalised without a weight (`F.rms_norm(k, (D,))`), then rotated by -angle written on K's side:
     k*cos - rotate_half(k)*sin, i.e. x1*cos + x2*sin, x2*cos - x1*sin."""
