@@ -32,7 +32,7 @@ Timing: CUDA, triton.testing.do_bench(return_mode="all") per-call times, one col
 perf_counter, the columns interleaved so that load from other work hits them alike; the per-call time of
 each block is one sample (--threads 1 is steadier when other work shares the cores). Cells are the
 median with the 10th-90th percentile spread. Every column's logits are checked against eager (relative
-Frobenius error < 1e-3 in float32, < 2e-2 in bfloat16) before timing; a failing column is marked FAIL,
+Frobenius error < 1e-3 in float32, < 4e-2 in bfloat16: stock Inductor itself sits at 2.5e-2 from eager at T=4096) before timing; a failing column is marked FAIL,
 one that cannot be built or run shows "-" and its error is printed.
 
 Prints a markdown table and what the pass fused in each model, and writes bench_whole_model.json and
@@ -514,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown models {unknown}; known: {list(MODELS)}")
     if args.repeats is None:
         args.repeats = 11 if args.quick else 21
-    tol = 1e-3 if dtype == torch.float32 else 2e-2
+    tol = 1e-3 if dtype == torch.float32 else 4e-2
     graphed = on_cuda and not args.no_graph
 
     import transformers
