@@ -60,7 +60,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 import fx_fusion.kernels.ops  # noqa: F401  (registers fx_fusion::materialize_*)
 import fx_fusion.kernels.grouped_linear  # noqa: F401  (registers fx_fusion::grouped_linear)
 
-from . import kv_patterns, op_lowering, probe_sizes, rotary_action, rotary_angles
+from . import kv_patterns, op_lowering, probe_sizes, rotary_action, rotary_angles, scatter_forwarding
 from .diagnostics import FusedGroup, PassRecord, RecordSink, Rejection, node_location
 from .kv_patterns import KBranch, NoMatch, Projection, is_call, val
 from . import values
@@ -105,6 +105,7 @@ class FusedKVPass(CustomGraphPass):
             rotary_angles.__file__,
             values.__file__,
             probe_sizes.__file__,
+            scatter_forwarding.__file__,
             op_lowering.__file__,
             fx_fusion.kernels.ops.__file__,
             fx_fusion.kernels.fused_kv_materialize.__file__,
@@ -165,7 +166,7 @@ def _group_key(branch: KBranch, same_value: ValueKeys) -> tuple:
         ("head_dim", branch.heads.head_dim),
         ("rotary_dim", rotary.rotary_dim),
         ("rotary style", "interleaved" if rotary.interleaved else "neox"),
-        ("cos/sin table layout", (rotary.cos.mode, rotary.sin.mode)),
+        ("cos/sin table layout", (rotary.cos.mode, rotary.sin.mode, rotary.cos.part, rotary.sin.part)),
         ("sin negated", rotary.sin_negated),
         ("k_norm", None if norm is None else ("weightless" if norm.weight is None else "weighted")),
         ("eps", eps),
@@ -251,6 +252,8 @@ def fuse_kv_groups(graph: torch.fx.Graph, min_layers: int = 2, stack_weights_in_
     mm over `cat(weights)` in the graph, for Inductor freezing to fold into one constant (no op call)."""
     record = PassRecord()
     fake_mode = _fake_mode(graph)
+    if scatter_forwarding.forward_scattered_views(graph):  # in-place column updates read as plain chains
+        graph.eliminate_dead_code()
     same_value = ValueKeys()
     for entry in _find_candidates(graph, record, same_value):
         branches: list[KBranch] = entry["branches"]
@@ -373,6 +376,9 @@ def _per_token_rotary_table(
     rank = len(val(branch.rotary.out).shape)
     table_spec, table = table, table.node
     node = table
+    if table_spec.part is not None:  # cos/sin as the real/imaginary parts of a complex table
+        node = builder.call(aten.view_as_real.default, node)
+        node = builder.call(aten.select.int, node, -1, 0 if table_spec.part == "real" else 1)
     for _ in range(rank - len(val(table).shape)):
         node = builder.call(aten.unsqueeze.default, node, 0)
     heads = branch.heads
@@ -430,7 +436,7 @@ def _cache_and_positions(branch: KBranch) -> Optional[tuple[torch.fx.Node, torch
     the fused op then reads the cache itself instead of per-token tables (SGLang/vLLM's layout)."""
     rotary = branch.rotary
     half, mode = rotary.rotary_dim // 2, ("interleaved" if rotary.interleaved else "neox")
-    found = [_gathered_rows(t.node) for t in (rotary.cos, rotary.sin)]
+    found = [_gathered_rows(t.node) if t.part is None else None for t in (rotary.cos, rotary.sin)]
     if None in found or rotary.cos.mode != mode or rotary.sin.mode != mode or rotary.sin_negated:
         return None
     (cache, positions, cos_start, cos_end), (cache_s, positions_s, sin_start, sin_end) = found
@@ -645,6 +651,11 @@ def _rewrite_group(
             new_outputs, block = [], 0
             for branch in branches:
                 count = blocks_of[id(branch)]
+                if branch.source.roles is not None:  # a strided piece (litgpt): its K, re-laid out
+                    k_branch = _strided_piece(builder, k_all, block, count, branch.source)
+                    block += count
+                    new_outputs.append((branch.output, builder.replay(branch.layout_before_norm + branch.layout_after_norm, k_branch)))
+                    continue
                 if count == 1:  # [tokens, H, D] of this layer
                     k_branch = builder.call(aten.select.int, k_all, 0, block)
                 else:  # stacked layers or blocks of heads: [tokens, count, unit, D]
@@ -683,6 +694,27 @@ def _rewrite_group(
         layers=[node_location(b.projection.node) for b in branches],
         layer_heads=[b.heads.num_heads for b in branches for _ in range(b.n_layers)],
     )
+
+
+def _strided_piece(builder: _GraphBuilder, k_all: torch.fx.Node, block: int, count: int, source) -> torch.fx.Node:
+    """One layer's K [tokens, H, D] laid out as its strided source piece (kv_patterns.BranchSource): the
+    tokens split as the piece's token axes, then its axes put in the piece's order, size-1 axes added."""
+    shape = list(val(source.node).shape)
+    if count != 1 or any(not isinstance(n, int) for n in shape):
+        raise NoMatch("a strided K piece is fused only as one block of static size")
+    token_axes = sorted((a for a, (role, _) in enumerate(source.roles) if role == "token"), key=lambda a: source.roles[a][1])
+    head_axes = [a for a, (role, _) in enumerate(source.roles) if role == "head"]
+    piece = builder.call(aten.select.int, k_all, 0, block)
+    piece = builder.call(aten.reshape.default, piece, [shape[a] for a in token_axes] + [source.n_heads, shape[-1]])
+    present = token_axes + head_axes  # the axes `piece` has now (a head axis only when the piece has one)
+    if not head_axes:
+        piece = builder.call(aten.select.int, piece, len(token_axes), 0)
+    order = sorted(range(len(present)), key=lambda i: present[i])
+    piece = builder.call(aten.permute.default, piece, order + [len(present)])
+    for axis, (role, _) in enumerate(source.roles):
+        if role == "unit":
+            piece = builder.call(aten.unsqueeze.default, piece, axis)
+    return piece
 
 
 def _region_text(graph, projections: list[Projection], branches: list[KBranch]) -> str:

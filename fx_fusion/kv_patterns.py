@@ -444,6 +444,9 @@ def match_rms_norm(x: torch.fx.Node) -> RMSNorm:
         if not is_call(after, aten.mul.Tensor):
             raise NoMatch("K norm has no elementwise weight after normalising")
         cast_back = [u for u in after.users if _is_cast(u, in_dtype)]
+        (copy,) = after.users if len(after.users) == 1 else (None,)
+        if is_call(copy, aten.clone.default) and len(copy.users) == 1:  # a contiguous copy, then the cast
+            cast_back = [u for u in copy.users if _is_cast(u, in_dtype)]
         if len(after.users) == 1 and cast_back:
             out = cast_back[0]
         else:  # still float32: the RoPE that follows rounds (its result must come back in_dtype)
@@ -482,12 +485,13 @@ def _slice_args(node) -> tuple:
     return dim, start, end, step
 
 
-def _last_dim_slice(node, source, rank, width) -> Optional[tuple[int, int, int]]:
-    """(start, end, step) when node = source[..., start:end:step], else None (end clamped to width)."""
+def _last_dim_slice(node, source, rank, width, axis: int = -1) -> Optional[tuple[int, int, int]]:
+    """(start, end, step) when node = source[..., start:end:step] along `axis` (the last dim unless
+    given), else None (end clamped to width)."""
     if not is_call(node, aten.slice.Tensor) or node.args[0] is not source:
         return None
     dim, start, end, step = _slice_args(node)
-    if not all(isinstance(v, int) for v in (dim, start, end, step)) or dim % rank != rank - 1:
+    if not all(isinstance(v, int) for v in (dim, start, end, step)) or dim % rank != axis % rank:
         return None
     return start, min(end, width), step
 
@@ -654,6 +658,10 @@ def match_k_branch(projection: Projection, source: "BranchSource") -> KBranch:
     features = static_shape(source.node)[-1]
     if source.group_view is not None:
         features *= static_shape(source.group_view)[-2]
+    elif source.head_view is not None:
+        features *= static_shape(source.node)[-2]
+    elif source.chain is not None:
+        features *= source.n_heads
     layout_before, node = follow_layout(source.node)
     norm = None
     if starts_norm(node):
@@ -696,8 +704,9 @@ def _token_sizes(projection: Projection, source: "BranchSource", chain: list[tor
     """Probe sizes for a branch's index simulation: the projection's row count and the sizes it splits
     into along the branch (e.g. B and T of `view(B, T, H, D)`)."""
     rows = static_shape(projection.node)[0]
-    nodes = source.prefix + ([source.group_view] if source.group_view is not None else []) + chain
-    dims = {n for node in nodes for n in static_shape(node)[:-1]}
+    views = [v for v in (source.group_view, source.head_view) if v is not None] + (source.chain or [])
+    nodes = source.prefix + views + chain
+    dims = {n for node in nodes if isinstance(val(node), torch.Tensor) for n in static_shape(node)[:-1]}
     return ProbeSizes([rows] + [n for n in dims if n > 1 and rows % n == 0])
 
 
@@ -707,17 +716,30 @@ class BranchSource:
 
     Plain: [..., kv_size], projection columns col_start .. col_start + kv_size. Grouped (`group_view`
     set: a qkv projection laid out per query group, `qkv.view(..., groups, group_width)` then cut, as
-    Megatron-LM and litgpt do): [..., groups, head_dim], head g at columns g * group_width + col_start.
+    Megatron-LM does): [..., groups, head_dim], head g at columns g * group_width + col_start.
+    Head cut (`head_view` set: `qkv.view(..., heads, head_dim)` cut along the heads): [..., H, head_dim],
+    the columns col_start .. col_start + H * head_dim. Strided (`chain` set: views and permutes, then a cut
+    along any axis but the last, as litgpt cuts its per-group qkv): its axes enumerate tokens (a
+    row-major split of the rows), the heads, or nothing (size 1), in any order (`roles`).
     """
 
     node: torch.fx.Node
     col_start: int  # first projection column it holds (within a group, when grouped)
     prefix: list[torch.fx.Node]  # reshapes between the mm and the cut (they keep the last dim)
     group_view: Optional[torch.fx.Node] = None
+    head_view: Optional[torch.fx.Node] = None
+    chain: Optional[list[torch.fx.Node]] = None  # strided: the views, permutes and cut after the prefix
+    stride: Optional[int] = None  # strided: columns between consecutive heads, None when adjacent
+    n_heads: int = 0  # strided: heads in the piece
+    # strided: each axis but the last: ("token", rank among the token axes, outermost first), ("head", None)
+    # or ("unit", None) for a size-1 axis
+    roles: Optional[list[tuple[str, Optional[int]]]] = None
 
     @property
     def head_stride(self) -> Optional[int]:
         """Columns between consecutive heads when they are not adjacent (grouped), else None."""
+        if self.chain is not None:
+            return self.stride
         return static_shape(self.group_view)[-1] if self.group_view is not None else None
 
     def output_shape(self, features: int) -> Optional[list]:
@@ -725,14 +747,22 @@ class BranchSource:
         source is the projection itself ([tokens, features])."""
         if self.group_view is not None:
             return list(self.group_view.args[1][:-1]) + [static_shape(self.node)[-1]]
+        if self.head_view is not None:
+            return list(self.head_view.args[1][:-2]) + static_shape(self.node)[-2:]
         return list(self.prefix[-1].args[1][:-1]) + [features] if self.prefix else None
 
     def index(self, index: torch.Tensor, features: int, sizes: ProbeSizes = FULL_SIZE) -> torch.Tensor:
         """The projection's flat element index laid out as this source."""
         index = replay(self.prefix, index, sizes)
+        if self.chain is not None:
+            return replay(self.chain, index, sizes)
         if self.group_view is not None:
             width = static_shape(self.node)[-1]
             return replay([self.group_view], index, sizes)[..., self.col_start : self.col_start + width]
+        if self.head_view is not None:
+            heads, head_width = static_shape(self.node)[-2:]
+            first = self.col_start // head_width
+            return replay([self.head_view], index, sizes)[..., first : first + heads, :]
         return index[..., self.col_start : self.col_start + features]
 
 
@@ -774,7 +804,81 @@ def branch_sources(projection: Projection) -> list[BranchSource]:
     if grouped:
         group_view, cuts = grouped
         return [BranchSource(piece, start, prefix, group_view) for piece, start in cuts]
-    return [whole(projection)]
+    heads = _head_cuts(node, width)
+    if heads:
+        head_view, cuts = heads
+        return [BranchSource(piece, start, prefix, head_view=head_view) for piece, start in cuts]
+    return _permuted_cuts(projection, node, prefix) or [whole(projection)]
+
+
+_CHAIN_OPS = (aten.view.default, aten.reshape.default, aten.permute.default, aten.transpose.int, aten.unsqueeze.default)
+
+
+def _permuted_cuts(projection: Projection, node: torch.fx.Node, prefix: list) -> Optional[list[BranchSource]]:
+    """Strided sources (BranchSource docstring): `node` viewed and permuted, then cut along one axis but
+    the last (litgpt: `qkv.view(B, T, G, q + 2, hs).permute(0, 2, 3, 1, 4).split((q, 1, 1), dim=2)`);
+    a piece whose elements are not whole heads at evenly spaced columns is no source."""
+    chain, current = [], node
+    while len(current.users) == 1:
+        (user,) = current.users
+        if not is_call(user, *_CHAIN_OPS) or user.args[0] is not current:
+            break
+        chain.append(user)
+        current = user
+    if not any(is_call(n, aten.permute.default, aten.transpose.int) for n in chain):
+        return None
+    shape = static_shape(current)
+    for axis in range(len(shape) - 1):
+        cuts = [_column_ranges(user, current, len(shape), shape[axis], axis=axis) for user in current.users]
+        if not cuts or None in cuts:
+            continue
+        pieces = [(piece, [user] if user is piece else [user, piece]) for user, ranges in zip(current.users, cuts) for piece, _, _ in ranges]
+        sources = [_strided_source(projection, piece, prefix, chain + cut) for piece, cut in pieces]
+        return [source for source in sources if source is not None] or None
+    return None
+
+
+def _strided_source(projection: Projection, piece: torch.fx.Node, prefix: list, chain: list) -> Optional[BranchSource]:
+    """The piece as a strided source when its index simulation shows whole heads at evenly spaced columns
+    and axes that each enumerate tokens (together a row-major split of the rows), heads, or nothing."""
+    rows, width = static_shape(projection.node)
+    with unset_fake_temporarily():
+        source = BranchSource(piece, 0, prefix, chain=chain)
+        sizes = _token_sizes(projection, source, [])
+        try:
+            index = source.index(torch.arange(sizes(rows) * width).view(sizes(rows), width), width, sizes)
+        except (ProbeMismatch, RuntimeError, IndexError):
+            return None
+        token, column = index[..., 0] // width, index % width
+        head_dim = index.shape[-1]
+        if not bool((column - column[..., :1] == torch.arange(head_dim)).all()):
+            return None
+        firsts = torch.unique(column[..., 0])
+        count, col_start = len(firsts), int(firsts[0])
+        stride = int(firsts[1] - firsts[0]) if count > 1 else head_dim
+        if stride < head_dim or not bool((firsts == col_start + stride * torch.arange(count)).all()):
+            return None
+        head = (column[..., 0] - col_start) // stride
+        roles = []
+        for axis in range(token.dim()):
+            steps = [_axis_step(t, axis) for t in (token, head)]
+            roles.append("token" if steps == [steps[0], 0] and steps[0] > 0 else "head" if steps == [0, 1] else "unit" if token.shape[axis] == 1 else None)
+        if None in roles or roles.count("head") > (1 if count > 1 else 0):
+            return None
+        token_axes = sorted((a for a, r in enumerate(roles) if r == "token"), key=lambda a: -_axis_step(token, a))
+        expected = torch.zeros_like(token)
+        step = 1
+        for axis in reversed(token_axes):  # the token axes must be a row-major split of all rows
+            expected = expected + torch.arange(token.shape[axis]).view([-1 if a == axis else 1 for a in range(token.dim())]) * step
+            step *= token.shape[axis]
+        head_axes = [a for a, r in enumerate(roles) if r == "head"]
+        expected_head = torch.arange(count).view([-1 if a in head_axes else 1 for a in range(token.dim())]) if head_axes else 0
+        if step != sizes(rows) or not (torch.equal(expected.expand_as(token), token) and bool((head == expected_head).all())):
+            return None
+    return dataclasses.replace(
+        source, col_start=col_start, stride=None if stride == head_dim else stride, n_heads=count,
+        roles=[("token", token_axes.index(a)) if r == "token" else (r, None) for a, r in enumerate(roles)],
+    )  # fmt: skip
 
 
 def _group_view_cuts(node: torch.fx.Node, width: int) -> Optional[tuple[torch.fx.Node, list]]:
@@ -792,16 +896,38 @@ def _group_view_cuts(node: torch.fx.Node, width: int) -> Optional[tuple[torch.fx
     return (view, cuts) if cuts else None
 
 
-def _column_ranges(user: torch.fx.Node, node: torch.fx.Node, rank: int, width: int) -> Optional[list]:
-    """[(piece, start, end)] when `user` cuts `node`'s last dim into contiguous column ranges: a slice
-    (`qkv[..., q:]`), or the pieces of a split (`qkv.split([q, kv, kv], -1)`, `kv.chunk(2, -1)`)."""
-    bounds = _last_dim_slice(user, node, rank, width)
+def _head_cuts(node: torch.fx.Node, width: int) -> Optional[tuple[torch.fx.Node, list]]:
+    """(view, [(piece, first column)]) when `node`'s only use views its last dim as [heads, head_width]
+    and cuts the heads into ranges (`qkv.view(B, T, 3 * H, D).chunk(3, dim=-2)`, modded-nanogpt): each
+    piece is the projection columns of its heads, laid out [..., heads, head_width]."""
+    if len(node.users) != 1:
+        return None
+    (view,) = node.users
+    if not is_call(view, aten.view.default, aten.reshape.default):
+        return None
+    shape = static_shape(view)
+    if len(shape) != len(static_shape(node)) + 1 or shape[-2] * shape[-1] != width or shape[-2] < 2:
+        return None
+    pieces = []
+    for user in view.users:
+        ranges = _column_ranges(user, view, len(shape), shape[-2], axis=-2)
+        if ranges is None:
+            return None
+        pieces += [(piece, start * shape[-1]) for piece, start, _ in ranges]
+    return view, pieces
+
+
+def _column_ranges(user: torch.fx.Node, node: torch.fx.Node, rank: int, width: int, axis: int = -1) -> Optional[list]:
+    """[(piece, start, end)] when `user` cuts `node`'s last dim (or `axis`, `width` long) into contiguous
+    ranges: a slice (`qkv[..., q:]`), or the pieces of a split (`qkv.split([q, kv, kv], -1)`,
+    `kv.chunk(2, -1)`)."""
+    bounds = _last_dim_slice(user, node, rank, width, axis)
     if bounds is not None:
         return [(user, bounds[0], bounds[1])] if bounds[2] == 1 else None
     if not is_call(user, aten.split.Tensor, aten.split_with_sizes.default) or user.args[0] is not node:
         return None
     dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
-    if not isinstance(dim, int) or dim % rank != rank - 1:
+    if not isinstance(dim, int) or dim % rank != axis % rank:
         return None
     sizes = user.args[1]
     if isinstance(sizes, int):

@@ -50,6 +50,8 @@ _LAYOUT = LAYOUT_OPS | {
     operator.getitem,
     prims.convert_element_type.default,
     aten._to_copy.default,
+    aten.view_as_complex.default,  # pairs of reals as one complex number, and back: the same elements
+    aten.view_as_real.default,
 }
 _JOIN = {aten.cat.default, aten.stack.default}
 _SUM = {aten.add.Tensor, aten.sub.Tensor}
@@ -70,11 +72,13 @@ class Table:
     """cos or sin: `node` laid out like K up to broadcasting, its last dim holding `width` frequencies.
 
     mode: "full" (width == rotary_dim), "neox" (width == rotary_dim / 2, the same values for both halves),
-    "interleaved" (width == rotary_dim / 2, each value for a pair of elements).
+    "interleaved" (width == rotary_dim / 2, each value for a pair of elements). A complex table holds cos
+    in its real parts and sin in its imaginary parts (`part`).
     """
 
     node: torch.fx.Node
     mode: str
+    part: Optional[str] = None  # "real" or "imag" of a complex table (Meta Llama's freqs_cis), else None
 
     def full_width_columns(self, rotary_dim: int) -> torch.Tensor:
         d = torch.arange(rotary_dim)
@@ -176,8 +180,16 @@ def _closed_outputs(start: torch.fx.Node, inside: dict) -> list[torch.fx.Node]:
     return found
 
 
+def _negated_table(node: torch.fx.Node) -> Optional[torch.fx.Node]:
+    """t when `node` is `neg(t)` computed on the table side, else None."""
+    return node.args[0] if _is_call(node, {aten.neg.default}) else None
+
+
 class _Probe:
-    """Evaluates a rotary region in float64 for given K and table values (casts are skipped)."""
+    """Evaluates a rotary region in float64 for given K and table values (casts are skipped).
+
+    A table computed as -t beside the region (modded-nanogpt's `x1 * (-sin)`) is read as t negated, so
+    that sin used with both signs is one table (the rotation is then one by -angle, or by +angle)."""
 
     def __init__(self, start: torch.fx.Node, nodes: list[torch.fx.Node], inside: dict, sizes: ProbeSizes):
         self.start, self.nodes, self.sizes = start, nodes, sizes
@@ -189,20 +201,33 @@ class _Probe:
             for arg in node.all_input_nodes:
                 if arg in inside or arg in self.table_of:
                     continue
-                key = same_value(arg)
+                table, sign = arg, 1.0
+                negated = _negated_table(arg)
+                if negated is not None and isinstance(node_val(negated), torch.Tensor):
+                    table, sign = negated, -1.0
+                key = same_value(table)
                 if key not in keys:
                     keys[key] = len(self.tables)
-                    self.tables.append(arg)
-                self.table_of[arg] = keys[key]
+                    self.tables.append(table)
+                self.table_of[arg] = (keys[key], sign)
         self.shape = sizes(list(_hint(list(node_val(start).shape))))
-        self.table_shapes = [sizes(list(_hint(list(node_val(t).shape)))) for t in self.tables]
+        # complex tables are probed through their real view [..., 2] (real and imaginary parts)
+        self.complex = [node_val(t).is_complex() for t in self.tables]
+        self.table_shapes = [
+            sizes(list(_hint(list(node_val(t).shape)))) + ([2] if is_complex else [])
+            for t, is_complex in zip(self.tables, self.complex)
+        ]
 
     def run(self, k: torch.Tensor, tables: list[torch.Tensor]) -> torch.Tensor:
         env = {self.start: k}
 
         def value(a):
             if isinstance(a, torch.fx.Node):
-                return env[a] if a in env else tables[self.table_of[a]]
+                if a in env:
+                    return env[a]
+                index, sign = self.table_of[a]
+                table = torch.view_as_complex(tables[index]) if self.complex[index] else tables[index]
+                return table if sign > 0 else -table
             if isinstance(a, (list, tuple)):
                 return type(a)(value(e) for e in a)
             return _hint(a)
@@ -352,11 +377,16 @@ def _identify(k: torch.fx.Node, out: torch.fx.Node, nodes: list[torch.fx.Node], 
         raise NotRotary("the region is not exactly K*cos + rotate(K)*sin")
 
     specs = []
-    for table, index in ((cos_table, cos_index), (sin_table, sin_index)):
-        mode = _table_mode(probe.table_shapes[table], shape, index, rotary_dim)
+    for table, index, part in ((cos_table, cos_index, "real"), (sin_table, sin_index, "imag")):
+        table_shape = probe.table_shapes[table]
+        if probe.complex[table]:  # cos from the real parts, sin from the imaginary parts
+            if not bool((index % 2 == (0 if part == "real" else 1)).all()):
+                raise NotRotary("cos/sin are not the real/imaginary parts of one complex table")
+            index, table_shape = index // 2, table_shape[:-1]
+        mode = _table_mode(table_shape, shape, index, rotary_dim)
         if mode is None:
             raise NotRotary("cos/sin are not one value per token and frequency, shared by every head")
-        specs.append(Table(probe.tables[table], mode))
+        specs.append(Table(probe.tables[table], mode, part if probe.complex[table] else None))
     return Rotation(
         out=out, cos=specs[0], sin=specs[1], rotary_dim=rotary_dim, interleaved=interleaved, sin_negated=sin_negated
     )

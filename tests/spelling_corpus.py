@@ -962,11 +962,11 @@ class LitGPTContext(nn.Module):
         return tuple(outs)
 
 
-def build_litgpt(dtype):
+def build_litgpt(dtype, n_head=KV_HEADS):
     torch.manual_seed(0)
     freqs = _positions().float()[:, None] * _inv_freq(HEAD_DIM // 2)[None]
     emb = torch.cat((freqs, freqs), dim=-1)  # litgpt build_rope_cache: [T, rope_n_elem]
-    return _finish(LitGPTContext(), dtype, _hidden(), emb.cos(), emb.sin())
+    return _finish(LitGPTContext(n_head=n_head), dtype, _hidden(), emb.cos(), emb.sin())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1147,6 +1147,7 @@ CASES: list[Case] = [
     Case("sglang_stacked_kv", _SGL_STACKED, _p(build_sglang_stacked)),
     Case("stack_of_cats", _SGL_STACKED + " layout, per-layer torch.cat([k, v]) stacked", _p(build_sglang_stacked, stack_of_cats=True)),
     Case("litgpt_grouped_qkv_partial", "Lightning-AI/litgpt litgpt/model.py", _p(build_litgpt)),
+    Case("litgpt_grouped_qkv_gqa", "Lightning-AI/litgpt litgpt/model.py (2 query heads per group)", _p(build_litgpt, n_head=2 * KV_HEADS)),
     # one layer rotating with other cos/sin values: the fused op reads one table per layer
     Case("own_cos_sin_transposed", f"{_HF} (last layer: cos/sin.transpose(0, 1), B == T)", _p(build_deviating, variant="cos_sin_transposed")),
     Case("own_rope_theta", f"{_HF} (last layer: rope_theta=100)", _p(build_deviating, variant="other_rope_theta")),
@@ -1174,10 +1175,6 @@ NEGATIVE_CASES: list[Case] = [
 # The supported math in spellings the pass does not fuse yet, and the reason it reports (a regex). They
 # must still compile to eager's results, and never without a reason. README "Not fused yet" lists them.
 NOT_YET: dict[str, str] = {
-    "modded_nanogpt": r"no rotary embedding",  # its -sin is a table of its own (neg(sin)), not a sign on K
-    "litgpt_grouped_qkv_partial": r"no rotary embedding",  # per-group qkv, permuted before the cut
-    "nano_vllm_qwen3": r"no rotary embedding",  # float32: the in-place norm's buffers
-    "llama_complex_freqs_cis": r"no rotary embedding",  # complex multiply
     "zlab_dflash_ctx_noise_cat": r"no rotary embedding",  # context and noise K concatenated before norm
 }
 ALL_CASES: list[Case] = CASES + NEGATIVE_CASES

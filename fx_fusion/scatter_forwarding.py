@@ -1,0 +1,107 @@
+"""Undo what functionalisation makes of in-place updates to column views, so K branches read as chains again.
+
+Code that updates a view in place (nano-vllm's RMSNorm: `x.mul_(rsqrt(...))` on `k`, a column view of
+the qkv output, when `x.float()` is a no-op in float32) reaches the post-grad graph functionalised: each
+update is a `slice_scatter` of the new columns into the whole output, and later reads of any columns are
+cuts of that scatter. Two exact identities turn these back into plain chains:
+
+- a cut of `slice_scatter(base, src, dim, start, end)` along `dim` over exactly [start, end) is `src`;
+  over columns outside it, the same cut of `base`;
+- `reshape(reshape(x, a), b)` whose result has x's own shape is x (a reshape round trip).
+
+Only equal values are substituted, so the graph computes the same as before whether or not a group is
+fused afterwards; the scatters left without users are removed with the other dead code.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Optional
+
+import torch
+import torch.fx
+
+from .kv_patterns import is_call, static_shape, val
+
+aten = torch.ops.aten
+_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _same_static_shape(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    """Both shapes known numbers and equal (symbolic sizes are not compared: that would add guards)."""
+    shapes = [list(val(n).shape) for n in (a, b)]
+    return all(isinstance(s, int) for shape in shapes for s in shape) and shapes[0] == shapes[1]
+
+
+def _cut(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int, int, int]]:
+    """(source, dim, start, end) when `node` is a step-1 slice or a split piece of `source`."""
+    if is_call(node, aten.slice.Tensor):
+        source = node.args[0]
+        args = list(node.args[1:]) + [None] * (4 - len(node.args[1:]))
+        dim, start, end, step = (args[0] or 0), (args[1] or 0), args[2], (args[3] or 1)
+    elif node.target is operator.getitem and is_call(node.args[0], aten.split.Tensor, aten.split_with_sizes.default):
+        split, index = node.args
+        source = split.args[0]
+        dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+        sizes = split.args[1]
+        if not isinstance(index, int) or not isinstance(dim, int):
+            return None
+        length = static_shape(source)[dim]
+        if isinstance(sizes, int):
+            sizes = [sizes] * (-(-length // sizes))
+        if not all(isinstance(size, int) for size in sizes):
+            return None
+        start, step = sum(sizes[:index]), 1
+        end = start + sizes[index]
+    else:
+        return None
+    if not isinstance(val(source), torch.Tensor) or not all(isinstance(v, int) for v in (dim, start, step)) or step != 1:
+        return None
+    rank, length = val(source).dim(), static_shape(source)[dim]
+    end = length if end is None or not isinstance(end, int) or end > length else end
+    return source, dim % rank, start, min(end, length)
+
+
+def _scattered(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, torch.fx.Node, int, int, int]]:
+    """(base, src, dim, start, end) of a step-1 `slice_scatter`."""
+    if not is_call(node, aten.slice_scatter.default):
+        return None
+    args = list(node.args) + [None] * (6 - len(node.args))
+    base, src, dim, start, end, step = args[:6]
+    dim, start, step = dim or 0, start or 0, step or 1
+    if not all(isinstance(v, int) for v in (dim, start, step)) or step != 1:
+        return None
+    length = static_shape(base)[dim]
+    end = length if not isinstance(end, int) or end > length else end
+    return base, src, dim % val(base).dim(), start, end
+
+
+def forward_scattered_views(graph: torch.fx.Graph) -> int:
+    """Apply the module docstring's identities everywhere; returns how many nodes were replaced."""
+    replaced = 0
+    for node in list(graph.nodes):
+        cut = _cut(node)
+        replacement = None
+        while cut is not None and _scattered(cut[0]) is not None:
+            source, dim, start, end = cut
+            base, src, scatter_dim, scatter_start, scatter_end = _scattered(source)
+            if dim != scatter_dim:
+                break
+            if (start, end) == (scatter_start, scatter_end) and _same_static_shape(src, node):
+                replacement = src
+                break
+            if end <= scatter_start or start >= scatter_end:  # untouched columns: the same cut of base
+                with graph.inserting_before(node):
+                    replacement = graph.call_function(aten.slice.Tensor, (base, dim, start, end))
+                replacement.meta["val"] = node.meta["val"]
+                cut = (base, dim, start, end)
+                continue
+            break
+        if replacement is None and is_call(node, *_RESHAPES) and is_call(node.args[0], *_RESHAPES):
+            inner = node.args[0].args[0]
+            if isinstance(val(inner), torch.Tensor) and _same_static_shape(inner, node):
+                replacement = inner
+        if replacement is not None:
+            node.replace_all_uses_with(replacement)
+            replaced += 1
+    return replaced
