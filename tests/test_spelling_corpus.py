@@ -28,9 +28,9 @@ from spelling_corpus import CASES, NEGATIVE_CASES, NOT_YET, N_LAYERS  # noqa: E4
 FUSING = [c for c in CASES if c.name not in NOT_YET]
 PENDING = [c for c in CASES if c.name in NOT_YET]
 
-DTYPES = [torch.float32, torch.bfloat16]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 FP32_TOL = 2e-5  # a few spellings (sqrt vs rsqrt, float32 RoPE of a float32 norm) differ by an ulp or two
-BF16_REL_TOL = 1e-2
+BF16_REL_TOL = 1e-2  # bfloat16 and float16: relative Frobenius error
 
 
 pytestmark = pytest.mark.usefixtures("fresh_compile")
@@ -74,7 +74,7 @@ def describe(fused_kv_pass) -> str:
     return "; ".join(parts)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("case", FUSING, ids=[c.name for c in FUSING])
 def test_spelling_fuses_and_matches_eager(case, dtype):
     got, ref, fused_kv_pass = compile_and_run(case, dtype)
@@ -86,7 +86,7 @@ def test_spelling_fuses_and_matches_eager(case, dtype):
     )
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("case", PENDING, ids=[c.name for c in PENDING])
 def test_spelling_not_fused_yet_is_explained_and_matches_eager(case, dtype):
     """Spellings of the supported math that do not fuse yet: eager's results, and a reason in the report."""
@@ -98,7 +98,7 @@ def test_spelling_not_fused_yet_is_explained_and_matches_eager(case, dtype):
     assert any(re.search(NOT_YET[case.name], r.reason) for r in rejected), describe(fused_kv_pass)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("case", NEGATIVE_CASES, ids=[c.name for c in NEGATIVE_CASES])
 def test_deviating_layer_not_grouped_and_matches_eager(case, dtype):
     got, ref, fused_kv_pass = compile_and_run(case, dtype)
@@ -132,7 +132,7 @@ def corpus_table() -> list[tuple[str, str, str]]:
     for case in CASES + NEGATIVE_CASES:
         for dtype in DTYPES:
             torch._dynamo.reset()
-            label = "fp32" if dtype == torch.float32 else "bf16"
+            label = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
             try:
                 with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(
                     enable_autograd_cache=False
