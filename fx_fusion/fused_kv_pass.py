@@ -3,12 +3,17 @@
 Matches (post-grad ATen graph, or the joint graph before freezing): L >= min_layers K branches that read
 the same hidden states x, each
 
-    k_l = linear(x, Wk_l[, bk_l])  (or the K columns of a fused kv/qkv linear, cut by slice or split, or
-          of one linear over weights stacked for all layers viewed as [T, L, 2*kv])
+    k_l = linear(x, Wk_l[, bk_l])  (or the K columns of a fused kv/qkv linear, cut by slice or split, by a
+          head cut, or by any views and permutes and a cut; or of one linear over weights stacked for all
+          layers viewed as [T, L, 2*kv])
           -> heads [..., H, D] -> [per-head RMSNorm(w_l, eps)] -> any layout -> RoPE(cos, sin)
 
-with H, D, rotary dim and style, norm form, eps and cos/sin the same across the group, plus the other
-linears on x with the same output width (the V projections). It replaces them with
+with D, rotary dim and style, norm form, eps and cos/sin the same across the group, plus the other
+linears on x with the same width as a member (the V projections). Members may differ in head count (a
+decoder layer's Q beside its K): the op then reads every member as blocks of gcd(heads) heads, each block
+with its member's norm weight. First, in-place updates of column views are read back as plain chains
+(scatter_forwarding), and projections concatenated along tokens ahead of per-token ops get those ops
+per piece (token_cats, the z-lab DFlash form). It replaces them with
 
     proj  = fx_fusion.grouped_linear(x2d, [Wk_0..Wk_L-1, Wv_0..], [biases])    # [N, all columns]
     k_all = fx_fusion.materialize_k(proj columns as [N, L, H*D], norm weights, eps, cos/sin tables,
@@ -21,13 +26,17 @@ equal broadcast multiply (see rotary_angles), so Inductor fuses them into the co
 
 Why every accepted region equals the fused op:
 - the projection is an mm/addmm of x with parameters (biases one value per column), and the columns the
-  branch reads are established by replaying its layout ops on an index tensor (kv_patterns.head_layout);
+  branch reads are established by replaying its layout ops on an index tensor (kv_patterns.head_layout;
+  over a few tokens, which every layout op treats alike, probe_sizes);
+- the scatter forwarding, the per-piece ops after a token cat and the re-layout of a strided piece are
+  exact identities (the same elements through the same ops);
 - the norm is matched op by op in each of its accepted forms (kv_patterns.match_rms_norm), which differ
   only in where the result is rounded (`norm_weight_in_float32`) and a constant weight offset, both
   passed to the op;
 - the rotation is proven by what it computes (rotary_action): the region is bilinear in K and its tables
-  by construction, its coefficients are read off exactly and match K*cos + rotate(K)*sin, and a random
-  evaluation agrees;
+  by construction (a complex table counts as its real and imaginary parts), its coefficients are read
+  off exactly and match K*cos + rotate(K)*sin, and a random evaluation agrees;
+- blocks of heads of one member share its norm weight and eps, and the rotation is per head;
 - layers are grouped only when their inputs, cos and sin are the same values (values.ValueKeys: the same
   op on the same arguments), never when they merely look alike;
 - anything else is left alone with a reason, and a refusal while rewriting erases every node it added.
@@ -60,7 +69,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 import fx_fusion.kernels.ops  # noqa: F401  (registers fx_fusion::materialize_*)
 import fx_fusion.kernels.grouped_linear  # noqa: F401  (registers fx_fusion::grouped_linear)
 
-from . import kv_patterns, op_lowering, probe_sizes, rotary_action, rotary_angles, scatter_forwarding
+from . import kv_patterns, op_lowering, probe_sizes, rotary_action, rotary_angles, scatter_forwarding, token_cats
 from .diagnostics import FusedGroup, PassRecord, RecordSink, Rejection, node_location
 from .kv_patterns import KBranch, NoMatch, Projection, is_call, val
 from . import values
@@ -106,6 +115,7 @@ class FusedKVPass(CustomGraphPass):
             values.__file__,
             probe_sizes.__file__,
             scatter_forwarding.__file__,
+            token_cats.__file__,
             op_lowering.__file__,
             fx_fusion.kernels.ops.__file__,
             fx_fusion.kernels.fused_kv_materialize.__file__,
@@ -252,7 +262,9 @@ def fuse_kv_groups(graph: torch.fx.Graph, min_layers: int = 2, stack_weights_in_
     mm over `cat(weights)` in the graph, for Inductor freezing to fold into one constant (no op call)."""
     record = PassRecord()
     fake_mode = _fake_mode(graph)
-    if scatter_forwarding.forward_scattered_views(graph):  # in-place column updates read as plain chains
+    # canonical forms first: in-place column updates as plain chains, projections concatenated along
+    # tokens before the norm (z-lab DFlash) as one chain per projection
+    if scatter_forwarding.forward_scattered_views(graph) + token_cats.push_token_cats(graph):
         graph.eliminate_dead_code()
     same_value = ValueKeys()
     for entry in _find_candidates(graph, record, same_value):

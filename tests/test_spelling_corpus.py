@@ -114,6 +114,20 @@ def test_deviating_layer_not_grouped_and_matches_eager(case, dtype):
         )
 
 
+def test_zlab_context_rows_fuse_and_noise_rows_keep_their_own_path():
+    """z-lab's DFlash draft concatenates context and noise K along tokens before the norm: with a noise
+    block of its own per layer, the context projections of all layers form the group and each layer's
+    noise projection stays apart, with its reason."""
+    case = next(c for c in CASES if c.name == "zlab_dflash_per_layer_noise")
+    got, ref, fused_kv_pass = compile_and_run(case, torch.float32)
+    assert_matches_eager(got, ref, torch.float32)
+    groups, rejected = groups_and_rejections(fused_kv_pass)
+    assert len(groups) == 1 and groups[0].n_layers == N_LAYERS, describe(fused_kv_pass)
+    context_line = {location.split("line ")[1] for location in groups[0].layers}
+    noise = [r for r in rejected if "k_proj" in r.location and "only 1 matching layer" in r.reason]
+    assert len(noise) == N_LAYERS and not {r.location.split("line ")[1] for r in noise} & context_line, describe(fused_kv_pass)
+
+
 def test_explain_vllm_model_factory():
     """The factory `python -m fx_fusion explain tests/spelling_corpus.py:explain_vllm_model` imports."""
     from fx_fusion.cli import call_factory, load_factory
