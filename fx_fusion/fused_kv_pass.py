@@ -239,13 +239,13 @@ def _find_candidates(graph: torch.fx.Graph, record: PassRecord, same_value: Valu
             # Column slices may be separate branches (a fused kv/qkv linear) or parts of one head-split
             # branch (partial rotary on a single head): the whole-projection reading wins when it matches.
             try:
-                entry["branches"].append(kv_patterns.match_k_branch(projection, kv_patterns.whole(projection)))
+                entry["branches"].append(kv_patterns.match_k_branch(projection, kv_patterns.whole(projection), same_value))
                 continue
             except NoMatch:
                 pass
         for source in sources:
             try:
-                entry["branches"].append(kv_patterns.match_k_branch(projection, source))
+                entry["branches"].append(kv_patterns.match_k_branch(projection, source, same_value))
             except kv_patterns.NotKBranch as reason:
                 entry["not_k"][projection.node] = str(reason)
             except NoMatch as reason:

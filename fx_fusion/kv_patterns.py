@@ -630,7 +630,7 @@ def _check_norm_input(at_norm: torch.Tensor, layout_at, norm: RMSNorm, n_layers:
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _rotation_after(start: torch.fx.Node, required: bool):
+def _rotation_after(start: torch.fx.Node, required: bool, same_value: Optional[ValueKeys] = None):
     """The rotary embedding applied at the end of, or part way along, the layout chain after `start`.
 
     Returns (layout ops up to the rotation's input, that input, the Rotation). A chain may go on past the
@@ -642,7 +642,7 @@ def _rotation_after(start: torch.fx.Node, required: bool):
     reasons = []
     for end in range(len(points), 0, -1):
         try:
-            return chain[: end - 1], points[end - 1], rotary_action.match_rotation(points[end - 1])
+            return chain[: end - 1], points[end - 1], rotary_action.match_rotation(points[end - 1], same_value)
         except rotary_action.NotRotary as reason:
             reasons.append(str(reason))
     looks_rotated = any(is_call(u, aten.mul.Tensor, aten.slice.Tensor) for p in points for u in p.users)
@@ -653,8 +653,9 @@ def _rotation_after(start: torch.fx.Node, required: bool):
     raise NotKBranch(found[0])
 
 
-def match_k_branch(projection: Projection, source: "BranchSource") -> KBranch:
-    """Match source -> layout -> [RMSNorm] -> layout -> rotary. Raises NoMatch with a reason."""
+def match_k_branch(projection: Projection, source: "BranchSource", same_value: Optional[ValueKeys] = None) -> KBranch:
+    """Match source -> layout -> [RMSNorm] -> layout -> rotary. Raises NoMatch with a reason.
+    `same_value`: the caller's ValueKeys, shared so that keys are computed once per graph."""
     features = static_shape(source.node)[-1]
     if source.group_view is not None:
         features *= static_shape(source.group_view)[-2]
@@ -666,9 +667,9 @@ def match_k_branch(projection: Projection, source: "BranchSource") -> KBranch:
     norm = None
     if starts_norm(node):
         norm = match_rms_norm(node)
-        layout_after, node, rotary = _rotation_after(norm.out, required=True)
+        layout_after, node, rotary = _rotation_after(norm.out, required=True, same_value=same_value)
     else:
-        layout_before, node, rotary = _rotation_after(source.node, required=False)
+        layout_before, node, rotary = _rotation_after(source.node, required=False, same_value=same_value)
         layout_after = []
     dtype = val(projection.node).dtype
     if dtype not in SUPPORTED_DTYPES:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch._guards
@@ -52,11 +52,26 @@ def _check_kernels_only_write_fresh_tensors(traced: torch.fx.Graph) -> None:
                 raise ValueError(f"the kernel may write its inputs {written}, which would be copied on every call")
 
 
-def inline_call(graph: torch.fx.Graph, node: torch.fx.Node, body: Callable[..., Any]) -> list[torch.fx.Node]:
+def _signature(node: torch.fx.Node) -> str:
+    """What a traced body depends on: the target, the argument structure and constants, and each input's
+    shape, strides, dtype and device (layers of one model share it, and so one trace)."""
+
+    def describe(arg: torch.fx.Node) -> str:
+        value = arg.meta["val"]
+        if isinstance(value, torch.Tensor):
+            return f"T({tuple(value.shape)},{value.stride()},{value.dtype},{value.device})"
+        return f"V({value!r})"
+
+    return repr((str(node.target), torch.fx.map_arg((node.args, node.kwargs), describe)))
+
+
+def inline_call(
+    graph: torch.fx.Graph, node: torch.fx.Node, body: Callable[..., Any], traces: Optional[dict] = None
+) -> list[torch.fx.Node]:
     """Replace `node` by the traced `body(*node.args, **node.kwargs)`; returns the nodes added.
 
     Every fx.Node among the (possibly nested) arguments becomes an input of the traced body; everything
-    else (ints, floats, bools, None) is a constant of it.
+    else (ints, floats, bools, None) is a constant of it. `traces` caches traced bodies by signature.
     """
     inputs: list[torch.fx.Node] = []
     torch.fx.map_arg((node.args, node.kwargs), inputs.append)
@@ -66,11 +81,16 @@ def inline_call(graph: torch.fx.Graph, node: torch.fx.Node, body: Callable[..., 
         args, kwargs = torch.fx.map_arg((node.args, node.kwargs), lookup.__getitem__)
         return body(*args, **kwargs)
 
-    values = [n.meta["val"] for n in inputs]
-    with torch._guards.detect_fake_mode(values) or contextlib.nullcontext():  # new tensors: fakes of the graph's mode
-        traced = trace_functional(call, values)
+    key = _signature(node)
+    traced = traces.get(key) if traces is not None else None
+    if traced is None:
+        values = [n.meta["val"] for n in inputs]
+        with torch._guards.detect_fake_mode(values) or contextlib.nullcontext():  # new tensors: the graph's fakes
+            traced = trace_functional(call, values)
+        _check_kernels_only_write_fresh_tensors(traced.graph)
+        if traces is not None:
+            traces[key] = traced
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
-    _check_kernels_only_write_fresh_tensors(traced.graph)
     before = set(graph.nodes)
     try:
         with graph.inserting_before(node):
@@ -103,13 +123,13 @@ def lower_fused_ops(graph: torch.fx.Graph) -> tuple[int, list[str]]:
 
     A body that cannot be traced leaves its call in place (still correct, as an opaque op) with the reason.
     """
-    bodies, inlined, kept = _bodies(), 0, []
+    bodies, inlined, kept, traces = _bodies(), 0, [], {}
     for node in list(graph.nodes):
         body = bodies.get(node.target) if node.op == "call_function" else None
         if body is None:
             continue
         try:
-            inline_call(graph, node, body)
+            inline_call(graph, node, body, traces)
             inlined += 1
         except NotImplementedError:  # the body does not serve this call: the op call is the right code
             continue

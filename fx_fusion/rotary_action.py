@@ -58,6 +58,7 @@ _SUM = {aten.add.Tensor, aten.sub.Tensor}
 _REGION_OPS = _LAYOUT | _JOIN | _SUM | {aten.mul.Tensor, aten.neg.default}
 _VIEWS = {aten.view.default, aten._unsafe_view.default}  # evaluated as reshape: probe strides may differ
 _MAX_REGION = 256
+_MAX_CANDIDATES = 4096  # nodes reached through region ops before giving up on a region
 
 
 NO_ROTATION = "no rotary embedding (K times cos plus rotated K times sin) on K"
@@ -141,18 +142,44 @@ def _table_degree(node: torch.fx.Node, inside: dict) -> Optional[int]:
 
 def _region(start: torch.fx.Node) -> dict:
     """Nodes that depend on `start` only through region ops that keep the value bilinear in K and the
-    tables, in graph order: node -> number of table factors in its terms (0 or 1)."""
-    graph_nodes = list(start.graph.nodes)
-    descendants = {start}
-    for node in graph_nodes[graph_nodes.index(start) + 1 :]:
-        if any(a in descendants for a in node.all_input_nodes):
-            descendants.add(node)
+    tables, in graph order: node -> number of table factors in its terms (0 or 1).
+
+    Only nodes reached from `start` through region ops can qualify, so the walk stays near K (attention
+    is no region op); an input outside the region is checked for depending on `start` by walking its
+    ancestors back no further than `start` itself."""
+    reached, frontier = set(), [start]
+    while frontier and len(reached) <= _MAX_CANDIDATES:
+        for user in frontier.pop().users:
+            if user not in reached and _is_call(user, _REGION_OPS):
+                reached.add(user)
+                frontier.append(user)
+    if frontier:  # a long chain of region ops: no rotation is that large
+        return {start: 0}
+    depends: dict = {start: True}
+
+    def depends_on_start(node: torch.fx.Node) -> bool:
+        stack = [node]
+        while stack:
+            current = stack[-1]
+            if current in depends:
+                stack.pop()
+                continue
+            if current.op != "call_function" or current < start:  # inputs and nodes before K: never
+                depends[current] = False
+                stack.pop()
+                continue
+            pending = [a for a in current.all_input_nodes if a not in depends]
+            if pending:
+                stack.extend(pending)
+                continue
+            depends[current] = any(depends[a] for a in current.all_input_nodes)
+            stack.pop()
+        return depends[node]
+
     inside = {start: 0}
-    for node in graph_nodes[graph_nodes.index(start) + 1 :]:
-        if node not in descendants or not _is_call(node, _REGION_OPS):
-            continue
-        if any(a in descendants and a not in inside for a in node.all_input_nodes):
-            continue  # depends on K through something outside the region (a norm's rsqrt, say)
+    for node in sorted(reached):  # graph order
+        if any(a not in inside and depends_on_start(a) for a in node.all_input_nodes):
+            continue  # depends on K through something outside the region (a norm's rsqrt, or a node left out)
         degree = _table_degree(node, inside)
         if degree is not None:
             inside[node] = degree
@@ -191,9 +218,8 @@ class _Probe:
     A table computed as -t beside the region (modded-nanogpt's `x1 * (-sin)`) is read as t negated, so
     that sin used with both signs is one table (the rotation is then one by -angle, or by +angle)."""
 
-    def __init__(self, start: torch.fx.Node, nodes: list[torch.fx.Node], inside: dict, sizes: ProbeSizes):
+    def __init__(self, start: torch.fx.Node, nodes: list[torch.fx.Node], inside: dict, sizes: ProbeSizes, same_value: ValueKeys):
         self.start, self.nodes, self.sizes = start, nodes, sizes
-        same_value = ValueKeys()
         self.tables: list[torch.fx.Node] = []  # one representative per distinct table value
         self.table_of: dict = {}
         keys: dict = {}
@@ -282,8 +308,10 @@ def _table_mode(shape: list[int], k_shape: list[int], index: torch.Tensor, rotar
     return None
 
 
-def match_rotation(k: torch.fx.Node) -> Rotation:
-    """Find the rotary embedding applied to `k` ([..., head_dim]); raises NotRotary with the reason."""
+def match_rotation(k: torch.fx.Node, same_value: Optional[ValueKeys] = None) -> Rotation:
+    """Find the rotary embedding applied to `k` ([..., head_dim]); raises NotRotary with the reason.
+    `same_value`: a ValueKeys to share (tables are told apart by value)."""
+    same_value = same_value if same_value is not None else ValueKeys()
     if not isinstance(node_val(k), torch.Tensor) or node_val(k).dim() == 0:
         raise NotRotary(NO_ROTATION)
     inside = _region(k)
@@ -297,11 +325,11 @@ def match_rotation(k: torch.fx.Node) -> Rotation:
         try:
             with unset_fake_temporarily(), torch.no_grad():
                 try:  # over a few tokens (probe_sizes); at full size where that does not reproduce the graph
-                    return _identify(k, out, nodes, inside, few_tokens)
+                    return _identify(k, out, nodes, inside, few_tokens, same_value)
                 except (ProbeMismatch, RuntimeError, IndexError):
                     if not few_tokens:
                         raise
-                return _identify(k, out, nodes, inside, FULL_SIZE)
+                return _identify(k, out, nodes, inside, FULL_SIZE, same_value)
         except NotRotary as reason:
             reasons.append(str(reason))
         except Exception as error:  # an op the probe cannot evaluate: not something we can prove
@@ -309,8 +337,10 @@ def match_rotation(k: torch.fx.Node) -> Rotation:
     raise NotRotary(reasons[0])
 
 
-def _identify(k: torch.fx.Node, out: torch.fx.Node, nodes: list[torch.fx.Node], inside: dict, sizes: ProbeSizes) -> Rotation:
-    probe = _Probe(k, nodes, inside, sizes)
+def _identify(
+    k: torch.fx.Node, out: torch.fx.Node, nodes: list[torch.fx.Node], inside: dict, sizes: ProbeSizes, same_value: ValueKeys
+) -> Rotation:
+    probe = _Probe(k, nodes, inside, sizes, same_value)
     shape = probe.shape
     numel, head_dim = torch.Size(shape).numel(), shape[-1]
     k_codes = torch.arange(1, numel + 1, dtype=torch.float64).view(shape)
