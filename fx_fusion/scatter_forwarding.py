@@ -7,7 +7,8 @@ cuts of that scatter. Two exact identities turn these back into plain chains:
 
 - a cut of `slice_scatter(base, src, dim, start, end)` along `dim` over exactly [start, end) is `src`;
   over columns outside it, the same cut of `base`;
-- `reshape(reshape(x, a), b)` whose result has x's own shape is x (a reshape round trip).
+- `reshape(reshape(x, a), b)` whose result has x's own shape is x (a reshape round trip), and the same
+  reshape of the same tensor spelled twice is one node (the views functionalisation regenerates).
 
 Only equal values are substituted, so the graph computes the same as before whether or not a group is
 fused afterwards; the scatters left without users are removed with the other dead code.
@@ -76,10 +77,30 @@ def _scattered(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, torch.fx.No
     return base, src, dim % val(base).dim(), start, end
 
 
-def forward_scattered_views(graph: torch.fx.Graph) -> int:
-    """Apply the module docstring's identities everywhere; returns how many nodes were replaced."""
-    replaced = 0
+def forward_scattered_views(graph: torch.fx.Graph, rounds: int = 8) -> int:
+    """Apply the module docstring's identities until none applies (one may uncover another: a reshape
+    round trip can reveal that a cut reads a scatter); returns how many nodes were replaced."""
+    total = 0
+    for _ in range(rounds):
+        replaced = _forward_once(graph)
+        total += replaced
+        if not replaced:
+            break
+    return total
+
+
+def _forward_once(graph: torch.fx.Graph) -> int:
+    replaced, reshapes = 0, {}
     for node in list(graph.nodes):
+        if not node.users:  # already bypassed (dead code until the caller removes it)
+            continue
+        if is_call(node, *_RESHAPES) and isinstance(node.args[1], (list, tuple)):
+            key = (node.target, node.args[0], tuple(node.args[1]))
+            first = reshapes.setdefault(key, node)
+            if first is not node:  # the same reshape of the same tensor, spelled again: one node
+                node.replace_all_uses_with(first)
+                replaced += 1
+                continue
         cut = _cut(node)
         replacement = None
         while cut is not None and _scattered(cut[0]) is not None:

@@ -187,6 +187,9 @@ def _norm(form, k, weight, eps=1e-6):
         normed = torch.nn.functional.rms_norm(x, (x.shape[-1],), eps=eps)
     else:
         normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    if form == "in_place":  # nano-vllm: in float32, x is k itself, so this updates the projection output
+        x.mul_(torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+        return x.to(k.dtype).mul_(weight)
     if form in ("weight_in_float32", "one_plus_weight"):
         scale = weight.float() + (1.0 if form == "one_plus_weight" else 0.0)
         return (normed * scale).to(k.dtype)
@@ -203,6 +206,13 @@ def _rotate(form, k, cos, sin):
     if form == "cos_sin_halves":
         x1, x2 = torch.chunk(k, 2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    if form == "negated_sin_table":  # modded-nanogpt: a rotation by -angle, its -sin a table of its own
+        x1, x2 = torch.chunk(k, 2, dim=-1)
+        return torch.cat((x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos), dim=-1)
+    if form == "complex":  # Meta Llama: pairs as complex numbers times cos + i sin
+        freqs = torch.complex(cos.float(), sin.float())
+        pairs = torch.view_as_complex(k.float().reshape(*k.shape[:-1], -1, 2))
+        return torch.view_as_real(pairs * freqs).flatten(-2).to(k.dtype)
     x1, x2 = k[..., ::2], k[..., 1::2]  # GPT-J pairs
     return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
 
@@ -212,7 +222,7 @@ class _Composed(torch.nn.Module):
         super().__init__()
         self.projection, self.norm, self.rotary, self.heads, self.head_dim = projection, norm, rotary, heads, head_dim
         kv = heads * head_dim
-        width = 3 * kv if projection == "qkv_split" else kv
+        width = 3 * kv if projection in ("qkv_split", "head_chunk", "permuted_groups") else kv
         self.k = torch.nn.ModuleList(torch.nn.Linear(hidden, width) for _ in range(N_LAYERS))
         self.v = torch.nn.ModuleList(torch.nn.Linear(hidden, kv) for _ in range(N_LAYERS))
         self.w = torch.nn.ParameterList(torch.nn.Parameter(1 + 0.2 * torch.randn(head_dim)) for _ in range(N_LAYERS))
@@ -220,11 +230,18 @@ class _Composed(torch.nn.Module):
     def forward(self, x, cos, sin):
         outs, kv = [], self.heads * self.head_dim
         for k_proj, v_proj, weight in zip(self.k, self.v, self.w):
+            tokens = x.shape[0]
             if self.projection == "qkv_split":
                 _, k, v = k_proj(x).split([kv, kv, kv], dim=-1)
+            elif self.projection == "head_chunk":  # modded-nanogpt: view as heads, cut along them
+                _, k, v = k_proj(x).view(tokens, 3 * self.heads, self.head_dim).chunk(3, dim=-2)
+            elif self.projection == "permuted_groups":  # litgpt: per-head groups, permuted, then cut
+                qkv = k_proj(x).view(tokens, self.heads, 3, self.head_dim).permute(1, 2, 0, 3)
+                _, k, v = qkv.split((1, 1, 1), dim=1)
+                k, v = k.squeeze(1).transpose(0, 1), v.squeeze(1).transpose(0, 1)
             else:
                 k, v = k_proj(x), v_proj(x)
-            k = k.view(x.shape[0], self.heads, self.head_dim)
+            k = k.reshape(tokens, self.heads, self.head_dim)
             if self.norm != "none":
                 k = _norm(self.norm, k, weight)
             outs += [_rotate(self.rotary, k, cos, sin), v]
@@ -233,9 +250,11 @@ class _Composed(torch.nn.Module):
 
 @settings(max_examples=int(os.environ.get("FX_FUSION_SPELLING_EXAMPLES", "6")), deadline=None, derandomize=True)
 @given(
-    projection=st.sampled_from(["separate", "qkv_split"]),
-    norm=st.sampled_from(["hf", "no_upcast", "sqrt_divide", "rms_norm", "weight_in_float32", "one_plus_weight", "none"]),
-    rotary=st.sampled_from(["halves_slices", "halves_chunk", "cos_sin_halves", "pairs"]),
+    projection=st.sampled_from(["separate", "qkv_split", "head_chunk", "permuted_groups"]),
+    norm=st.sampled_from(
+        ["hf", "no_upcast", "sqrt_divide", "rms_norm", "weight_in_float32", "one_plus_weight", "in_place", "none"]
+    ),
+    rotary=st.sampled_from(["halves_slices", "halves_chunk", "cos_sin_halves", "negated_sin_table", "complex", "pairs"]),
     dtype=st.sampled_from(DTYPES),
 )
 def test_random_spelling_compositions_fuse_and_match_eager(projection, norm, rotary, dtype):
@@ -249,7 +268,12 @@ def test_random_spelling_compositions_fuse_and_match_eager(projection, norm, rot
         ref = module(*inputs)
         got = torch.compile(module, options={"post_grad_custom_post_pass": fused_kv_pass})(*inputs)
     assert_matches_eager(got, ref, dtype)
-    groups, _ = groups_and_rejections(fused_kv_pass)
+    groups, rejected = groups_and_rejections(fused_kv_pass)
+    if projection == "permuted_groups" and norm == "in_place" and dtype == torch.float32:
+        # Known limit: an in-place update through a permuted view is functionalised into scatters that
+        # scatter_forwarding does not read back yet; the layers stay unfused, each with a reason.
+        assert not groups and len(rejected) >= N_LAYERS, describe(fused_kv_pass)
+        return
     assert [g.n_layers for g in groups] == [N_LAYERS], describe(fused_kv_pass)
     assert groups[0].k_norm == (norm != "none")
-    assert groups[0].rotary_style == ("interleaved" if rotary == "pairs" else "neox")
+    assert groups[0].rotary_style == ("interleaved" if rotary in ("pairs", "complex") else "neox")
