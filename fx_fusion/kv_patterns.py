@@ -882,16 +882,24 @@ def _strided_source(projection: Projection, piece: torch.fx.Node, prefix: list, 
     )  # fmt: skip
 
 
+def _last_dim_split(node: torch.fx.Node, width: int) -> tuple[Optional[torch.fx.Node], list]:
+    """(view, its shape) when `node`'s only use views its last dim (`width`) as [n >= 2, width / n]."""
+    if len(node.users) != 1:
+        return None, []
+    (view,) = node.users
+    if not is_call(view, aten.view.default, aten.reshape.default):
+        return None, []
+    shape = static_shape(view)
+    if len(shape) != len(static_shape(node)) + 1 or shape[-2] * shape[-1] != width or shape[-2] < 2:
+        return None, []
+    return view, shape
+
+
 def _group_view_cuts(node: torch.fx.Node, width: int) -> Optional[tuple[torch.fx.Node, list]]:
     """(view, [(piece, first column in the group)]) when `node`'s only use views its last dim as
     [groups, group_width] and cuts each group into column ranges (q heads, k head, v head)."""
-    if len(node.users) != 1:
-        return None
-    (view,) = node.users
-    if not is_call(view, aten.view.default, aten.reshape.default):
-        return None
-    shape = static_shape(view)
-    if len(shape) != len(static_shape(node)) + 1 or shape[-2] * shape[-1] != width or shape[-2] < 2:
+    view, shape = _last_dim_split(node, width)
+    if view is None:
         return None
     cuts = _column_slices(view, len(shape), shape[-1], 0)
     return (view, cuts) if cuts else None
@@ -901,13 +909,8 @@ def _head_cuts(node: torch.fx.Node, width: int) -> Optional[tuple[torch.fx.Node,
     """(view, [(piece, first column)]) when `node`'s only use views its last dim as [heads, head_width]
     and cuts the heads into ranges (`qkv.view(B, T, 3 * H, D).chunk(3, dim=-2)`, modded-nanogpt): each
     piece is the projection columns of its heads, laid out [..., heads, head_width]."""
-    if len(node.users) != 1:
-        return None
-    (view,) = node.users
-    if not is_call(view, aten.view.default, aten.reshape.default):
-        return None
-    shape = static_shape(view)
-    if len(shape) != len(static_shape(node)) + 1 or shape[-2] * shape[-1] != width or shape[-2] < 2:
+    view, shape = _last_dim_split(node, width)
+    if view is None:
         return None
     pieces = []
     for user in view.users:
