@@ -50,6 +50,8 @@ class FusedGroup:
     # heads of each absorbed layer; they differ where a layer's Q joined its K (fused in blocks of
     # num_kv_heads heads, the greatest common divisor)
     layer_heads: list[int] = dataclasses.field(default_factory=list)
+    # what became of the cache writes after the group: absorbed into the op, why not, or "" (none)
+    cache_writes: str = ""
 
     def describe(self) -> str:
         heads = f"{self.num_kv_heads} KV heads"
@@ -58,7 +60,7 @@ class FusedGroup:
         return (
             f"{self.n_layers} layers, {heads} x {self.head_dim}, rotary {self.rotary_dim} "
             f"{self.rotary_style}, {'k_norm' if self.k_norm else 'no k_norm'}, {'bias' if self.bias else 'no bias'}"
-        )
+        ) + (f"; {self.cache_writes}" if self.cache_writes else "")
 
 
 @dataclasses.dataclass

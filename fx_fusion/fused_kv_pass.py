@@ -69,7 +69,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 import fx_fusion.kernels.ops  # noqa: F401  (registers fx_fusion::materialize_*)
 import fx_fusion.kernels.grouped_linear  # noqa: F401  (registers fx_fusion::grouped_linear)
 
-from . import kv_patterns, op_lowering, probe_sizes, rotary_action, rotary_angles, scatter_forwarding, token_cats
+from . import cache_writes, kv_patterns, op_lowering, probe_sizes, rotary_action, rotary_angles, scatter_forwarding, token_cats
 from .diagnostics import FusedGroup, PassRecord, RecordSink, Rejection, node_location
 from .kv_patterns import KBranch, NoMatch, Projection, is_call, val
 from . import values
@@ -116,6 +116,7 @@ class FusedKVPass(CustomGraphPass):
             probe_sizes.__file__,
             scatter_forwarding.__file__,
             token_cats.__file__,
+            cache_writes.__file__,
             op_lowering.__file__,
             fx_fusion.kernels.ops.__file__,
             fx_fusion.kernels.fused_kv_materialize.__file__,
@@ -477,19 +478,6 @@ def _insertion_point(graph: torch.fx.Graph, inputs: list[torch.fx.Node]) -> torc
     return max(inputs, key=lambda n: position[n])
 
 
-def _depends_on(inputs: list[torch.fx.Node], forbidden: set) -> bool:
-    seen, stack = set(), list(inputs)
-    while stack:
-        node = stack.pop()
-        if node in forbidden:
-            return True
-        if node in seen:
-            continue
-        seen.add(node)
-        stack.extend(node.all_input_nodes)
-    return False
-
-
 def _shared_rotary_tables(branches: list[KBranch], same_value: ValueKeys):
     """("cache", (cache, positions)) when every layer gathers its cos/sin from the same cache rows,
     ("shared", None) when every layer reads the same cos/sin values, else ("per layer", None)."""
@@ -586,7 +574,7 @@ def _rewrite_group(
     inputs = [x2d, *tables, *norm_weights, *eps_nodes]
     inputs += [w for p in projections for w in p.weights + p.biases]
     replaced = {p.node for p in projections} | {b.output for b in branches}
-    if _depends_on([x2d, *tables, *eps_nodes], replaced):
+    if kv_patterns.depends_on([x2d, *tables, *eps_nodes], replaced):
         raise NoMatch("the group's inputs depend on its own outputs")
     hidden = kv_patterns.base_of(x2d)
     table_sizes = {}
@@ -689,9 +677,19 @@ def _rewrite_group(
         raise NoMatch(f"could not build the fused replacement ({type(error).__name__}: {error})") from error
     for old, new in new_outputs + pieces:
         old.replace_all_uses_with(new)
+    cache_builder = _GraphBuilder(graph, fake_mode)
+    stable_topological_sort(graph)  # the group's users follow its new nodes; then drop the replaced
+    graph.eliminate_dead_code()  # branches, which still read the projections
+    try:
+        cache_note = cache_writes.absorb(graph, cache_builder, k_all, proj)
+    except Exception as error:  # the group stays fused; its cache writes stay as written
+        cache_builder.erase()
+        reason = str(error) if isinstance(error, NoMatch) else f"{type(error).__name__}: {error}"
+        cache_note = f"cache writes left as written: {reason}"
+        logger.debug("fx_fusion: cache writes left alone", exc_info=True)
     angles = rotary_angles.outer_products_to_mul(graph, fake_mode, tables)
     record.graph_before += before
-    record.graph_after += "\n".join(n.format_node() for n in angles + builder.created) + "\n"
+    record.graph_after += "\n".join(n.format_node() for n in angles + builder.created + cache_builder.created) + "\n"
     return FusedGroup(
         n_layers=sum(b.n_layers for b in branches),
         num_kv_heads=unit,
@@ -705,6 +703,7 @@ def _rewrite_group(
         rotary_tables={"cache": "cos/sin cache + positions", "shared": "per-token cos/sin", "per layer": "per-layer cos/sin"}[table_kind],
         layers=[node_location(b.projection.node) for b in branches],
         layer_heads=[b.heads.num_heads for b in branches for _ in range(b.n_layers)],
+        cache_writes=cache_note,
     )
 
 

@@ -975,3 +975,17 @@ def _column_slices(node: torch.fx.Node, rank: int, width: int, offset: int) -> O
             inner = _column_slices(piece, rank, end - start, offset + start) if piece.users else None
             found += inner if inner else [(piece, offset + start)]
     return found
+
+
+def depends_on(inputs: list[torch.fx.Node], forbidden: set) -> bool:
+    """Whether any of `inputs` is in `forbidden` or computed from one."""
+    seen, stack = set(), list(inputs)
+    while stack:
+        node = stack.pop()
+        if node in forbidden:
+            return True
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    return False

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch._guards
@@ -65,48 +65,72 @@ def _signature(node: torch.fx.Node) -> str:
     return repr((str(node.target), torch.fx.map_arg((node.args, node.kwargs), describe)))
 
 
+def _trace_template(fn: Callable[..., Any], template: Any) -> torch.fx.GraphModule:
+    """`fn(*template)` traced (trace_functional) with every fx.Node in the (possibly nested) `template` an
+    input, at its fake value; everything else (ints, floats, bools, None) is a constant of the trace."""
+    inputs: list[torch.fx.Node] = []
+    torch.fx.map_arg(template, inputs.append)
+
+    def call(*values):
+        lookup = dict(zip(inputs, values))
+        return fn(*torch.fx.map_arg(template, lookup.__getitem__))
+
+    values = [n.meta["val"] for n in inputs]
+    with torch._guards.detect_fake_mode(values) or contextlib.nullcontext():  # new tensors: the graph's fakes
+        return trace_functional(call, values)
+
+
+class Inserted(NamedTuple):
+    outputs: Any  # the trace's output nodes (a node, or a list for a tuple output)
+    created: list[torch.fx.Node]  # every node added
+
+
+def insert_traced(
+    graph: torch.fx.Graph, fn: Callable[..., Any], template: Any, traced: Optional[torch.fx.GraphModule] = None
+) -> Inserted:
+    """Add `fn(*template)`, traced functional (or the given `traced`, of the same template), to `graph` at its
+    insertion point."""
+    traced = traced if traced is not None else _trace_template(fn, template)
+    inputs: list[torch.fx.Node] = []
+    torch.fx.map_arg(template, inputs.append)
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    before = set(graph.nodes)
+    try:
+        outputs = graph.graph_copy(traced.graph, dict(zip(placeholders, inputs)))
+    except Exception:
+        for added in reversed([n for n in graph.nodes if n not in before]):
+            graph.erase_node(added)
+        raise
+    return Inserted(outputs, [n for n in graph.nodes if n not in before])
+
+
 def inline_call(
     graph: torch.fx.Graph, node: torch.fx.Node, body: Callable[..., Any], traces: Optional[dict] = None
 ) -> list[torch.fx.Node]:
     """Replace `node` by the traced `body(*node.args, **node.kwargs)`; returns the nodes added.
+    `traces` caches traced bodies by signature."""
+    template = (node.args, node.kwargs)
 
-    Every fx.Node among the (possibly nested) arguments becomes an input of the traced body; everything
-    else (ints, floats, bools, None) is a constant of it. `traces` caches traced bodies by signature.
-    """
-    inputs: list[torch.fx.Node] = []
-    torch.fx.map_arg((node.args, node.kwargs), inputs.append)
-
-    def call(*values):
-        lookup = dict(zip(inputs, values))
-        args, kwargs = torch.fx.map_arg((node.args, node.kwargs), lookup.__getitem__)
+    def call(args, kwargs):
         return body(*args, **kwargs)
 
     key = _signature(node)
     traced = traces.get(key) if traces is not None else None
     if traced is None:
-        values = [n.meta["val"] for n in inputs]
-        with torch._guards.detect_fake_mode(values) or contextlib.nullcontext():  # new tensors: the graph's fakes
-            traced = trace_functional(call, values)
+        traced = _trace_template(call, template)
         _check_kernels_only_write_fresh_tensors(traced.graph)
         if traces is not None:
             traces[key] = traced
-    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
-    before = set(graph.nodes)
-    try:
-        with graph.inserting_before(node):
-            result = graph.graph_copy(traced.graph, dict(zip(placeholders, inputs)))
-    except Exception:
-        for added in reversed([n for n in graph.nodes if n not in before]):
-            graph.erase_node(added)
-        raise
-    if isinstance(result, (tuple, list)):  # a multi-output op: its users read the outputs by getitem
+    with graph.inserting_before(node):
+        result = insert_traced(graph, call, template, traced)
+    if isinstance(result.outputs, (tuple, list)):  # a multi-output op: its users read the outputs by getitem
         for user in list(node.users):
-            user.replace_all_uses_with(result[user.args[1]])
+            user.replace_all_uses_with(result.outputs[user.args[1]])
             graph.erase_node(user)
     else:
-        node.replace_all_uses_with(result)
+        node.replace_all_uses_with(result.outputs)
     graph.erase_node(node)
-    return [n for n in graph.nodes if n not in before]
+    return result.created
 
 
 def _bodies() -> dict:

@@ -51,6 +51,8 @@ validation lives in `ops.py`.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import triton
@@ -64,8 +66,11 @@ MAX_ROWS_PER_LAYER = 2**31 - 2**20
 def _fused_kv_materialize_kernel(
     k_proj_ptr,
     v_proj_ptr,
-    k_out_ptr,
-    v_out_ptr,
+    k_out_ptr, k_out1, k_out2, k_out3, k_out4, k_out5, k_out6, k_out7,
+    v_out_ptr, v_out1, v_out2, v_out3, v_out4, v_out5, v_out6, v_out7,
+    slots_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     norm_weight_ptr,
     eps_ptr,
     cos_ptr,
@@ -101,6 +106,11 @@ def _fused_kv_materialize_kernel(
     stride_sin_row,
     stride_sin_dim,
     stride_positions,
+    stride_slots,
+    num_slots,
+    slots_per_batch,
+    stride_ko_batch,
+    stride_vo_batch,
     HEAD_DIM: tl.constexpr,
     ROTARY_DIM: tl.constexpr,
     HALF_PAD: tl.constexpr,
@@ -115,7 +125,11 @@ def _fused_kv_materialize_kernel(
     NORM_WEIGHT_OFFSET: tl.constexpr,
     NORM_WEIGHT_IN_FLOAT32: tl.constexpr,
     NORM_ROUND_BEFORE_ROPE: tl.constexpr,
-):
+    NUM_OUT_BUFFERS: tl.constexpr,
+    USE_SLOTS: tl.constexpr,
+    K_SCALED: tl.constexpr,
+    V_SCALED: tl.constexpr,
+):  # fmt: skip
     """One program: BLOCK_ROWS consecutive (token, head) rows of one layer.
 
     Grid: (cdiv(total_ctx * num_kv_heads, BLOCK_ROWS), n_layers). Every input element is loaded once, in
@@ -123,14 +137,41 @@ def _fused_kv_materialize_kernel(
     pass-through tile of PASS_PAD columns (PASS_PAD = 0: none), V as a [BLOCK_ROWS, HEAD_PAD] tile.
     """
     HALF: tl.constexpr = ROTARY_DIM // 2
-    out_dtype = k_out_ptr.dtype.element_ty
+    kv_dtype = k_proj_ptr.dtype.element_ty  # round() rounds to it; outputs may be narrower (FP8 caches)
     layer = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    row_mask = rows < num_rows
     tokens = (rows // num_kv_heads).to(tl.int64)
     heads = (rows % num_kv_heads).to(tl.int64)
     k_rows = tokens * stride_k_token + layer * stride_k_layer + heads * stride_k_head
-    k_out_rows = layer * stride_ko_layer + tokens * stride_ko_token + heads * stride_ko_head
+
+    # Outputs: one stacked tensor per K and V (layer strides), or one buffer per layer (a cache each, among
+    # the pointer arguments; layer strides 0). With slots, token t goes to slot s = slots[t] of a
+    # [batch, slots_per_batch, H, D] cache: (s // slots_per_batch, s % slots_per_batch); a slot outside
+    # [0, num_slots) (-1: padding) is skipped, so nothing outside the cache is ever written.
+    k_outs = (k_out_ptr, k_out1, k_out2, k_out3, k_out4, k_out5, k_out6, k_out7)
+    v_outs = (v_out_ptr, v_out1, v_out2, v_out3, v_out4, v_out5, v_out6, v_out7)
+    k_out_base = k_out_ptr
+    v_out_base = v_out_ptr
+    for i in tl.static_range(1, NUM_OUT_BUFFERS):
+        k_out_base = tl.where(layer == i, k_outs[i], k_out_base)
+        v_out_base = tl.where(layer == i, v_outs[i], v_out_base)
+    row_mask = rows < num_rows
+    if USE_SLOTS:
+        slots = tl.load(slots_ptr + tokens * stride_slots, mask=row_mask, other=-1).to(tl.int64)
+        row_mask = row_mask & (slots >= 0) & (slots < num_slots)
+        batch = slots // slots_per_batch
+        k_out_tokens = batch * stride_ko_batch + (slots % slots_per_batch) * stride_ko_token
+        v_out_tokens = batch * stride_vo_batch + (slots % slots_per_batch) * stride_vo_token
+    else:
+        k_out_tokens = tokens * stride_ko_token
+        v_out_tokens = tokens * stride_vo_token
+    k_out_rows = layer * stride_ko_layer + k_out_tokens + heads * stride_ko_head
+    # Unscaled, K is rounded to kv's dtype (the output's); scaled, k / k_scale is computed from the float32
+    # K and converted once to the output's dtype (an FP8 cache), as Inductor computes `(k / scale).to(fp8)`.
+    k_out_dtype = kv_dtype
+    if K_SCALED:
+        k_scale = tl.load(k_scale_ptr).to(tl.float32)
+        k_out_dtype = k_out_ptr.dtype.element_ty
 
     # Rotary part. neox: tiles x_a, x_b [BLOCK_ROWS, HALF_PAD] of the two contiguous halves, each element
     # beside its RoPE partner. Interleaved: one contiguous tile x_r [BLOCK_ROWS, 2 * HALF_PAD]; the partner
@@ -173,8 +214,8 @@ def _fused_kv_materialize_kernel(
         # round(round(x * inv_rms) * w), the two roundings of `weight * hidden.to(input_dtype)`, or with
         # NORM_WEIGHT_IN_FLOAT32 round(x * inv_rms * w): x * inv_rms is then "rounded" to float32, a no-op.
         # Without NORM_ROUND_BEFORE_ROPE, (x * inv_rms * w) stays float32 too; only the final store rounds.
-        normed_dtype = tl.float32 if NORM_WEIGHT_IN_FLOAT32 else out_dtype
-        weighted_dtype = out_dtype if NORM_ROUND_BEFORE_ROPE else tl.float32
+        normed_dtype = tl.float32 if NORM_WEIGHT_IN_FLOAT32 else kv_dtype
+        weighted_dtype = kv_dtype if NORM_ROUND_BEFORE_ROPE else tl.float32
         if INTERLEAVED:
             w_r = tl.load(weight_row + rot_dims * stride_weight_dim, mask=rot_dim_mask, other=0.0)
             w_r = w_r.to(tl.float32) + NORM_WEIGHT_OFFSET
@@ -215,8 +256,10 @@ def _fused_kv_materialize_kernel(
             sin_r = tl.load(sin_row + rot_dims[None, :] * sin_row_stride, mask=rot_full_mask, other=0.0)
             cos_r = cos_r.to(tl.float32)
             sin_r = sin_r.to(tl.float32)
-        out_r = (x_r * cos_r + partner * sin_r).to(out_dtype)
-        tl.store(k_out_ptr + k_out_rows[:, None] + rot_dims[None, :] * stride_ko_dim, out_r, mask=rot_full_mask)
+        out_r = x_r * cos_r + partner * sin_r
+        if K_SCALED:
+            out_r = out_r / k_scale
+        tl.store(k_out_base + k_out_rows[:, None] + rot_dims[None, :] * stride_ko_dim, out_r.to(k_out_dtype), mask=rot_full_mask)
     else:
         cos_a = tl.load(cos_row + freq[None, :] * stride_cos_dim, mask=rot_mask, other=0.0).to(tl.float32)
         sin_a = tl.load(sin_row + freq[None, :] * sin_row_stride, mask=rot_mask, other=0.0).to(tl.float32)
@@ -228,20 +271,28 @@ def _fused_kv_materialize_kernel(
             sin_b = tl.load(sin_row + (HALF + freq[None, :]) * sin_row_stride, mask=rot_mask, other=0.0)
             cos_b = cos_b.to(tl.float32)
             sin_b = sin_b.to(tl.float32)
-        out_a = (x_a * cos_a - x_b * sin_a).to(out_dtype)
-        out_b = (x_b * cos_b + x_a * sin_b).to(out_dtype)
-        tl.store(k_out_ptr + k_out_rows[:, None] + freq[None, :] * stride_ko_dim, out_a, mask=rot_mask)
-        tl.store(k_out_ptr + k_out_rows[:, None] + (HALF + freq[None, :]) * stride_ko_dim, out_b, mask=rot_mask)
+        out_a = x_a * cos_a - x_b * sin_a
+        out_b = x_b * cos_b + x_a * sin_b
+        if K_SCALED:
+            out_a = out_a / k_scale
+            out_b = out_b / k_scale
+        tl.store(k_out_base + k_out_rows[:, None] + freq[None, :] * stride_ko_dim, out_a.to(k_out_dtype), mask=rot_mask)
+        tl.store(k_out_base + k_out_rows[:, None] + (HALF + freq[None, :]) * stride_ko_dim, out_b.to(k_out_dtype), mask=rot_mask)
     if PASS_PAD > 0:
-        tl.store(k_out_ptr + k_out_rows[:, None] + dims_p[None, :] * stride_ko_dim, x_p.to(out_dtype), mask=pass_mask)
+        out_p = x_p
+        if K_SCALED:
+            out_p = out_p / k_scale
+        tl.store(k_out_base + k_out_rows[:, None] + dims_p[None, :] * stride_ko_dim, out_p.to(k_out_dtype), mask=pass_mask)
 
     if COPY_V:
         dims = tl.arange(0, HEAD_PAD)
         v_mask = row_mask[:, None] & (dims < HEAD_DIM)[None, :]
         v_rows = tokens * stride_v_token + layer * stride_v_layer + heads * stride_v_head
-        v_out_rows = layer * stride_vo_layer + tokens * stride_vo_token + heads * stride_vo_head
+        v_out_rows = layer * stride_vo_layer + v_out_tokens + heads * stride_vo_head
         v = tl.load(v_proj_ptr + v_rows[:, None] + dims[None, :] * stride_v_elem, mask=v_mask)
-        tl.store(v_out_ptr + v_out_rows[:, None] + dims[None, :] * stride_vo_dim, v, mask=v_mask)
+        if V_SCALED:
+            v = v.to(tl.float32) / tl.load(v_scale_ptr).to(tl.float32)
+        tl.store(v_out_base + v_out_rows[:, None] + dims[None, :] * stride_vo_dim, v.to(v_out_ptr.dtype.element_ty), mask=v_mask)
 
 
 # One kernel source, two front ends: compiled for GPU tensors, interpreted (numpy) for CPU tensors when
@@ -305,6 +356,29 @@ def default_launch_config(rows_per_layer: int, head_dim: int) -> tuple[int, int]
     return block_rows, num_warps
 
 
+class CacheWrite(NamedTuple):
+    """Where the kernel writes K and V instead of k_out / v_out: each layer's own caches.
+
+    k_caches, v_caches  n_layers tensors each, [batch, slots_per_batch, num_kv_heads, head_dim] (views of
+                        the caches, any strides, one shape, stride set and dtype for all): kv's dtype, or an
+                        FP8 dtype with a scale
+    slots               [total_ctx] int32/int64: token t goes to slot s = slots[t], i.e. cache[s // slots_per_batch,
+                        s % slots_per_batch]; a slot outside [0, batch * slots_per_batch) (-1: padding) is skipped
+    k_scale, v_scale    one-element float tensors or None: the value written is then k / scale, from K in
+                        float32 (before its rounding to kv's dtype) and V as projected, converted once to the
+                        cache's dtype
+    """
+
+    k_caches: Sequence[torch.Tensor]
+    v_caches: Sequence[torch.Tensor]
+    slots: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+
+
+MAX_CACHES_PER_LAUNCH = 8  # per K and per V: the kernel's pointer arguments k_out, k_out1 .. k_out7
+
+
 def launch_fused_kv_materialize(
     k_proj: torch.Tensor,
     v_proj: torch.Tensor | None,
@@ -314,7 +388,7 @@ def launch_fused_kv_materialize(
     cos: torch.Tensor,
     sin: torch.Tensor | None,
     positions: torch.Tensor | None,
-    k_out: torch.Tensor,
+    k_out: torch.Tensor | None,
     v_out: torch.Tensor | None,
     num_kv_heads: int,
     head_dim: int,
@@ -324,12 +398,14 @@ def launch_fused_kv_materialize(
     norm_weight_in_float32: bool,
     norm_round_before_rope: bool,
     *,
+    cache: CacheWrite | None = None,
     interpret: bool = False,
     traceable: bool = False,
     block_rows: int | None = None,
     num_warps: int | None = None,
 ) -> None:
-    """Run the Triton kernel on validated arguments, writing `k_out` (and `v_out` when `v_proj` is given).
+    """Run the Triton kernel on validated arguments, writing `k_out` (and `v_out` when `v_proj` is given),
+    or with `cache`, each layer's K and V caches at the token's slots (k_out, v_out unused).
 
     k_proj, v_proj: [total_ctx, n_layers, num_kv_heads, head_dim] or [total_ctx, n_layers, num_kv_heads *
     head_dim] (v_proj like k_proj, or None), any strides. k_out, v_out: [n_layers, total_ctx, num_kv_heads,
@@ -342,6 +418,7 @@ def launch_fused_kv_materialize(
     through RoPE; only meaningful with norm_weight_in_float32). `interpret` runs the kernel through Triton's
     interpreter (CPU tensors); `traceable` launches through `torch.library.wrap_triton`, so that tracing
     records the launch for Inductor. `block_rows` / `num_warps` override the launch heuristic (tuning only).
+    Caches are written MAX_CACHES_PER_LAUNCH layers per launch.
     """
     total_ctx, n_layers = k_proj.shape[:2]
     num_rows = total_ctx * num_kv_heads
@@ -356,35 +433,9 @@ def launch_fused_kv_materialize(
     block_rows = block_rows or default_rows
     copy_v = v_proj is not None
     v_proj = v_proj if copy_v else k_proj  # unused stand-ins keep the signature fixed
-    v_out = v_out if copy_v else k_out
     use_positions = positions is not None
     sin = cos if use_positions else sin
     unused = k_proj
-    grid = (triton.cdiv(num_rows, block_rows), n_layers)
-    args = (
-        k_proj,
-        v_proj,
-        k_out,
-        v_out,
-        norm_weight if norm_weight is not None else unused,
-        eps if eps is not None else unused,
-        cos,
-        sin,
-        positions if use_positions else unused,
-        num_rows,
-        num_kv_heads,
-        cos.shape[0] if use_positions else 0,
-        float(eps_value),
-        *head_strides(k_proj, head_dim),
-        *head_strides(v_proj, head_dim),
-        *k_out.stride(),
-        *v_out.stride(),
-        *(norm_weight.stride() if norm_weight is not None else (0, 0)),
-        eps.stride(0) if eps is not None else 0,
-        *_table_strides(cos),
-        *_table_strides(sin),
-        positions.stride(0) if use_positions else 0,
-    )
     meta = dict(
         HEAD_DIM=head_dim,
         ROTARY_DIM=rotary_dim,
@@ -400,18 +451,71 @@ def launch_fused_kv_materialize(
         NORM_WEIGHT_OFFSET=float(norm_weight_offset),
         NORM_WEIGHT_IN_FLOAT32=norm_weight_in_float32,
         NORM_ROUND_BEFORE_ROPE=norm_round_before_rope,
+        USE_SLOTS=cache is not None,
+        K_SCALED=cache is not None and cache.k_scale is not None,
+        V_SCALED=cache is not None and copy_v and cache.v_scale is not None,
         num_warps=num_warps or default_warps,
     )
     if interpret:
-        with _interpretable_tl_sum():
-            fused_kv_materialize_kernel_interpreted[grid](*args, **meta)
+        kernel = fused_kv_materialize_kernel_interpreted
     elif traceable:  # Triton launches on the tensors' device once Inductor runs it
-        torch.library.wrap_triton(fused_kv_materialize_kernel)[grid](*args, **meta)
-    elif k_proj.device.index == torch.cuda.current_device():
-        fused_kv_materialize_kernel[grid](*args, **meta)
-    else:  # Triton launches on the current device
-        with torch.cuda.device(k_proj.device):
-            fused_kv_materialize_kernel[grid](*args, **meta)
+        kernel = torch.library.wrap_triton(fused_kv_materialize_kernel)
+    else:
+        kernel = fused_kv_materialize_kernel
+
+    def launch(first: int, count: int, k_outs: list, v_outs: list, out_strides: tuple, slot_args: tuple) -> None:
+        layers = slice(first, first + count)
+        per_layer_cos = cos.dim() == 3 and not use_positions
+        args = (
+            k_proj[:, layers],
+            v_proj[:, layers],
+            *k_outs, *[k_outs[0]] * (MAX_CACHES_PER_LAUNCH - len(k_outs)),
+            *v_outs, *[v_outs[0]] * (MAX_CACHES_PER_LAUNCH - len(v_outs)),
+            cache.slots if cache is not None else unused,
+            cache.k_scale if meta["K_SCALED"] else unused,
+            cache.v_scale if meta["V_SCALED"] else unused,
+            norm_weight[layers] if norm_weight is not None else unused,
+            eps[layers] if eps is not None else unused,
+            cos[layers] if per_layer_cos else cos,
+            sin[layers] if per_layer_cos else sin,
+            positions if use_positions else unused,
+            num_rows,
+            num_kv_heads,
+            cos.shape[0] if use_positions else 0,
+            float(eps_value),
+            *head_strides(k_proj, head_dim),
+            *head_strides(v_proj, head_dim),
+            *out_strides,
+            *(norm_weight.stride() if norm_weight is not None else (0, 0)),
+            eps.stride(0) if eps is not None else 0,
+            *_table_strides(cos),
+            *_table_strides(sin),
+            positions.stride(0) if use_positions else 0,
+            *slot_args,
+        )  # fmt: skip
+        grid = (triton.cdiv(num_rows, block_rows), count)
+        kernel[grid](*args, **meta, NUM_OUT_BUFFERS=len(k_outs))
+
+    with contextlib.ExitStack() as stack:
+        if interpret:
+            stack.enter_context(_interpretable_tl_sum())
+        elif not traceable and k_proj.device.index != torch.cuda.current_device():
+            stack.enter_context(torch.cuda.device(k_proj.device))  # Triton launches on the current device
+        if cache is None:
+            v_out = v_out if copy_v else k_out
+            launch(0, n_layers, [k_out], [v_out], (*k_out.stride(), *v_out.stride()), (0, 0, 0, 0, 0))
+            return
+        k_cache, v_cache = cache.k_caches[0], cache.v_caches[0] if copy_v else cache.k_caches[0]
+        batch, per_batch = k_cache.shape[:2]
+        k_batch, k_slot, k_head, k_dim = k_cache.stride()
+        v_batch, v_slot, v_head, v_dim = v_cache.stride()
+        slot_args = (cache.slots.stride(0), batch * per_batch, per_batch, k_batch, v_batch)
+        strides = (0, k_slot, k_head, k_dim, 0, v_slot, v_head, v_dim)
+        for first in range(0, n_layers, MAX_CACHES_PER_LAUNCH):
+            count = min(MAX_CACHES_PER_LAUNCH, n_layers - first)
+            k_outs = list(cache.k_caches[first : first + count])
+            v_outs = list(cache.v_caches[first : first + count]) if copy_v else k_outs
+            launch(first, count, k_outs, v_outs, strides, slot_args)
 
 
 def _rope_cos_sin(
@@ -460,11 +564,12 @@ def materialized_k_torch(
     norm_weight_offset: float,
     norm_weight_in_float32: bool,
     norm_round_before_rope: bool,
+    round_output: bool = True,
 ) -> torch.Tensor:
     """The kernel's K math in PyTorch (all layers at once): a [n_layers, total_ctx, H, D] view in k_proj's
-    dtype. Arguments as for `launch_fused_kv_materialize`."""
+    dtype (float32, unrounded, with round_output=False). Arguments as for `launch_fused_kv_materialize`."""
     n_layers = k_proj.shape[1]
-    out_dtype = k_proj.dtype
+    kv_dtype = k_proj.dtype
     k = as_heads(k_proj, num_kv_heads, head_dim).float()  # [T, L, H, D]
     if norm_weight is not None:
         eps_per_layer = eps.float().view(1, n_layers, 1, 1) if eps is not None else eps_value
@@ -472,15 +577,15 @@ def materialized_k_torch(
         weight = norm_weight.float().view(1, n_layers, 1, head_dim) + norm_weight_offset
         normed = k * inv_rms
         if not norm_weight_in_float32:
-            normed = normed.to(out_dtype).float()
+            normed = normed.to(kv_dtype).float()
         k = normed * weight
         if norm_round_before_rope:
-            k = k.to(out_dtype).float()
+            k = k.to(kv_dtype).float()
     cos_t, sin_t = _rope_cos_sin(cos, sin, positions, rotary_dim, interleaved)
     rot = k[..., :rotary_dim]
     rotated = rot * cos_t + _rotate_partner(rot, interleaved) * sin_t
     k = torch.cat([rotated, k[..., rotary_dim:]], dim=-1)
-    return k.to(out_dtype).transpose(0, 1)
+    return (k.to(kv_dtype) if round_output else k).transpose(0, 1)
 
 
 def fused_kv_materialize_torch(
@@ -501,13 +606,37 @@ def fused_kv_materialize_torch(
     norm_weight_offset: float,
     norm_weight_in_float32: bool,
     norm_round_before_rope: bool,
+    *,
+    cache: CacheWrite | None = None,
 ) -> None:
-    """The kernel's math in PyTorch, same arguments as `launch_fused_kv_materialize`, written into k_out/v_out."""
-    k_out.copy_(
-        materialized_k_torch(
-            k_proj, norm_weight, eps, eps_value, cos, sin, positions, num_kv_heads, head_dim, rotary_dim,
-            interleaved, norm_weight_offset, norm_weight_in_float32, norm_round_before_rope,
-        )  # fmt: skip
-    )
-    if v_proj is not None:
-        v_out.copy_(as_heads(v_proj, num_kv_heads, head_dim).transpose(0, 1))
+    """The kernel's math in PyTorch, same arguments as `launch_fused_kv_materialize`, written into k_out/v_out
+    or the caches."""
+    k = materialized_k_torch(
+        k_proj, norm_weight, eps, eps_value, cos, sin, positions, num_kv_heads, head_dim, rotary_dim,
+        interleaved, norm_weight_offset, norm_weight_in_float32, norm_round_before_rope,
+        round_output=cache is None or cache.k_scale is None,
+    )  # fmt: skip
+    v = as_heads(v_proj, num_kv_heads, head_dim).transpose(0, 1) if v_proj is not None else None
+    if cache is not None:
+        write_caches_torch(k, v, cache)
+        return
+    k_out.copy_(k)
+    if v is not None:
+        v_out.copy_(v)
+
+
+def write_caches_torch(k: torch.Tensor, v: torch.Tensor, cache: CacheWrite) -> None:
+    """The kernel's cache write in PyTorch: k, v [n_layers, total_ctx, H, D] (kv's dtype; k in float32 when
+    scaled) into each layer's [batch, slots_per_batch, H, D] cache view at the tokens' slots (other slots
+    skipped), divided by the scale in float32 when there is one."""
+    batch, per_batch = cache.k_caches[0].shape[:2]
+    slots = cache.slots.long()
+    valid = (slots >= 0) & (slots < batch * per_batch)
+    rows = (slots[valid] // per_batch, slots[valid] % per_batch)
+    for values, caches, scale in ((k, cache.k_caches, cache.k_scale), (v, cache.v_caches, cache.v_scale)):
+        for layer, target in enumerate(caches):
+            value = values[layer][valid]
+            if scale is not None:
+                value = value.float() / scale.float().reshape(())
+            target.index_put_(rows, value.to(target.dtype))
+

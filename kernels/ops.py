@@ -47,9 +47,15 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from .fused_kv_materialize import fused_kv_materialize_torch, launch_fused_kv_materialize, materialized_k_torch
+from .fused_kv_materialize import (
+    CacheWrite,
+    fused_kv_materialize_torch,
+    launch_fused_kv_materialize,
+    materialized_k_torch,
+)
 
 SUPPORTED_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SUPPORTED_POSITION_DTYPES = (torch.int32, torch.int64)
 
 
@@ -354,6 +360,93 @@ def check_positions_in_cache(positions: torch.Tensor, cache_rows: int) -> None:
         )
 
 
+def cache_view(cache: torch.Tensor, cache_dims: Sequence[int]) -> torch.Tensor:
+    """The [batch, slots_per_batch, num_kv_heads, head_dim] view of a cache buffer: `cache_dims` names the
+    buffer's dims in that order, with batch -1 for a buffer without one ([slots, H, D] in some order)."""
+    if cache_dims[0] == -1:
+        return cache.permute(list(cache_dims[1:])).unsqueeze(0)
+    return cache.permute(list(cache_dims))
+
+
+def _check_cache_dims(cache: torch.Tensor, cache_dims: Sequence[int]) -> None:
+    dims = list(cache_dims)
+    named = dims[1:] if len(dims) == 4 and dims[0] == -1 else dims
+    if len(dims) != 4 or sorted(named) != list(range(cache.dim())):
+        raise ValueError(
+            "Invalid cache_dims for the fused KV cache write: "
+            f"got {dims} for a {cache.dim()}-D cache, expected the cache's dims for (batch, slot, head, head_dim), "
+            "a permutation of its 4 dims, or -1 then a permutation of its 3 dims."
+        )
+
+
+def _check_caches(
+    name: str, caches: Sequence[torch.Tensor], cache_dims: Sequence[int], n_layers: int, num_kv_heads: int,
+    head_dim: int, kv: torch.Tensor, scale: Optional[torch.Tensor],
+) -> None:  # fmt: skip
+    if len(caches) != n_layers:
+        raise ValueError(
+            f"Invalid {name} for the fused KV cache write: got {len(caches)} caches, expected {n_layers} (one per layer)."
+        )
+    for cache in caches:
+        _check_cache_dims(cache, cache_dims)
+    views = [cache_view(c, cache_dims) for c in caches]
+    first = views[0]
+    if tuple(first.shape[2:]) != (num_kv_heads, head_dim):
+        raise ValueError(
+            f"Invalid {name} shape for the fused KV cache write: got heads and head_dim {tuple(first.shape[2:])} "
+            f"(cache {tuple(caches[0].shape)}, cache_dims {list(cache_dims)}), expected {(num_kv_heads, head_dim)}."
+        )
+    for i, view in enumerate(views):
+        if view.shape != first.shape or view.stride() != first.stride() or view.dtype != first.dtype:
+            raise ValueError(
+                f"Mismatched {name}[{i}] for the fused KV cache write: every layer's cache needs the shape, strides "
+                f"and dtype of {name}[0] {tuple(caches[0].shape)}, {caches[0].stride()}, {caches[0].dtype}."
+            )
+        if view.device != kv.device:
+            raise ValueError(f"Device mismatch for the fused KV cache write: {name}[{i}] is on {view.device}, expected {kv.device}.")
+    if first.dtype not in (kv.dtype, *FP8_CACHE_DTYPES):
+        raise ValueError(
+            f"Unsupported {name} dtype for the fused KV cache write: got {first.dtype}, expected the projection's "
+            f"dtype {kv.dtype}, torch.float8_e4m3fn or torch.float8_e5m2."
+        )
+    if first.dtype in FP8_CACHE_DTYPES and scale is None:
+        raise ValueError(f"Missing scale for the fused KV cache write: FP8 {name} need a per-tensor scale.")
+    if scale is not None and (scale.numel() != 1 or not scale.dtype.is_floating_point or scale.device != kv.device):
+        raise ValueError(
+            f"Invalid scale for the fused KV cache write to {name}: got {tuple(scale.shape)} {scale.dtype} on "
+            f"{scale.device}, expected one floating element on {kv.device}."
+        )
+
+
+def validate_cache_write(
+    k_proj: torch.Tensor, v_proj: torch.Tensor, num_kv_heads: int, head_dim: int, k_caches: Sequence[torch.Tensor],
+    v_caches: Sequence[torch.Tensor], slots: torch.Tensor, cache_dims: Sequence[int],
+    k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
+) -> None:  # fmt: skip
+    """Raise ValueError for caches, slots or scales the kernel cannot write (after validate_materialize_args)."""
+    total_ctx, n_layers = k_proj.shape[:2]
+    _check_caches("k_caches", k_caches, cache_dims, n_layers, num_kv_heads, head_dim, k_proj, k_scale)
+    _check_caches("v_caches", v_caches, cache_dims, n_layers, num_kv_heads, head_dim, v_proj, v_scale)
+    if tuple(slots.shape) != (total_ctx,) or slots.dtype not in SUPPORTED_POSITION_DTYPES or slots.device != k_proj.device:
+        raise ValueError(
+            f"Invalid slots for the fused KV cache write: got {tuple(slots.shape)} {slots.dtype} on {slots.device}, "
+            f"expected {(total_ctx,)} torch.int32 or torch.int64 on {k_proj.device}."
+        )
+    caches = {f"k_caches[{i}]": c for i, c in enumerate(k_caches)}
+    caches.update((f"v_caches[{i}]", c) for i, c in enumerate(v_caches))
+    inputs = {"k_proj": k_proj, "v_proj": v_proj, "slots": slots, "k_scale": k_scale, "v_scale": v_scale}
+    if any(t.is_meta or torch._subclasses.fake_tensor.is_fake(t) for t in caches.values()):
+        return
+    names = list(caches)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            if _may_share_memory(caches[a], caches[b]):
+                raise ValueError(f"Overlapping caches for the fused KV cache write: {a} and {b} share memory.")
+        for in_name, tensor in inputs.items():
+            if tensor is not None and _may_share_memory(caches[a], tensor):
+                raise ValueError(f"Overlapping {a} for the fused KV cache write: it shares memory with the input {in_name}.")
+
+
 def _host_sync_allowed(tensor: torch.Tensor) -> bool:
     """False for meta tensors, while tracing (torch.compile / export / fake tensors) or capturing a CUDA graph."""
     if tensor.is_meta or torch.compiler.is_compiling() or torch._subclasses.fake_tensor.is_fake(tensor):
@@ -423,26 +516,28 @@ def _stacked_norm_weight(
     return torch.stack(list(k_norm_weight)).view(n_layers, head_dim)
 
 
-def _run_triton(*args) -> None:
-    launch_fused_kv_materialize(*args)
+def _run_triton(*args, cache: Optional[CacheWrite] = None) -> None:
+    launch_fused_kv_materialize(*args, cache=cache)
 
 
-def _run_cpu(*args) -> None:
-    """PyTorch math, or the Triton kernel through its interpreter when TRITON_INTERPRET=1 (read per call)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        launch_fused_kv_materialize(*args, interpret=True)
+def _run_cpu(*args, cache: Optional[CacheWrite] = None) -> None:
+    """PyTorch math, or the Triton kernel through its interpreter when TRITON_INTERPRET=1 (read per call),
+    except for FP8 caches: the interpreter converts to FP8 wrongly (e4m3: 100.0 becomes 104.0)."""
+    fp8 = cache is not None and {cache.k_caches[0].dtype, cache.v_caches[0].dtype} & set(FP8_CACHE_DTYPES)
+    if os.environ.get("TRITON_INTERPRET") == "1" and not fp8:
+        launch_fused_kv_materialize(*args, cache=cache, interpret=True)
     else:
-        fused_kv_materialize_torch(*args)
+        fused_kv_materialize_torch(*args, cache=cache)
 
 
-def _launch(backend, common: tuple, v_proj, k_out, v_out) -> None:
+def _launch(backend, common: tuple, v_proj, k_out, v_out, cache: Optional[CacheWrite] = None) -> None:
     """Run `backend` (`_run_triton` or `_run_cpu`) on validated arguments."""
     c = CommonArgs(*common)
     norm_weight = _stacked_norm_weight(c.k_norm_weight, c.k_proj.shape[1], c.head_dim)
     backend(
         c.k_proj, v_proj, norm_weight, c.eps, c.eps_value, c.cos, c.sin, c.positions, k_out, v_out,
         c.num_kv_heads, c.head_dim, c.rotary_dim, c.interleaved, c.norm_weight_offset, c.norm_weight_in_float32,
-        c.norm_round_before_rope,
+        c.norm_round_before_rope, cache=cache,
     )  # fmt: skip
 
 
@@ -470,6 +565,26 @@ def _materialize_kv_out(backend, *args) -> None:
     common, (v_proj, k_out, v_out) = args[:-3], args[-3:]
     _validate(common, v_proj, k_out, v_out)
     _launch(backend, common, v_proj, k_out, v_out)
+
+
+_N_CACHE_ARGS = 7  # v_proj, k_caches, v_caches, slots, cache_dims, k_scale, v_scale
+
+
+def _cache_write(args: tuple) -> tuple[tuple, torch.Tensor, CacheWrite]:
+    """materialize_kv_to_cache's arguments, validated: (common, v_proj, the cache views to write)."""
+    common, (v_proj, k_caches, v_caches, slots, cache_dims, k_scale, v_scale) = args[:-_N_CACHE_ARGS], args[-_N_CACHE_ARGS:]
+    _validate(common, v_proj)
+    c = CommonArgs(*common)
+    validate_cache_write(
+        c.k_proj, v_proj, c.num_kv_heads, c.head_dim, k_caches, v_caches, slots, cache_dims, k_scale, v_scale
+    )
+    views = ([cache_view(x, cache_dims) for x in caches] for caches in (k_caches, v_caches))
+    return common, v_proj, CacheWrite(*views, slots, k_scale, v_scale)
+
+
+def _materialize_kv_to_cache(backend, *args) -> None:
+    common, v_proj, cache = _cache_write(args)
+    _launch(backend, common, v_proj, None, None, cache)
 
 
 def materialize_k_body(*args, **kwargs) -> torch.Tensor:
@@ -507,10 +622,15 @@ _library = torch.library.Library("fx_fusion", "FRAGMENT")
 _library.define(f"materialize_k({_COMMON_SCHEMA}, bool token_major=False) -> Tensor")
 _library.define(f"materialize_kv({_COMMON_SCHEMA}, Tensor v_proj) -> (Tensor, Tensor)")
 _library.define(f"materialize_kv_out({_COMMON_SCHEMA}, Tensor v_proj, Tensor(a!) k_out, Tensor(b!) v_out) -> ()")
+_library.define(
+    f"materialize_kv_to_cache({_COMMON_SCHEMA}, Tensor v_proj, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
+    "Tensor slots, int[] cache_dims, Tensor? k_scale, Tensor? v_scale) -> ()"
+)
 for _name, _body in (
     ("materialize_k", _materialize_k),
     ("materialize_kv", _materialize_kv),
     ("materialize_kv_out", _materialize_kv_out),
+    ("materialize_kv_to_cache", _materialize_kv_to_cache),
 ):
     _library.impl(_name, functools.partial(_body, _run_triton), "CUDA")
     _library.impl(_name, functools.partial(_body, _run_cpu), "CPU")
@@ -534,6 +654,11 @@ def _materialize_kv_fake(*args):
 def _materialize_kv_out_fake(*args):
     common, (v_proj, k_out, v_out) = args[:-3], args[-3:]
     _validate(common, v_proj, k_out, v_out)
+
+
+@torch.library.register_fake("fx_fusion::materialize_kv_to_cache")
+def _materialize_kv_to_cache_fake(*args):
+    _cache_write(args)
 
 
 # --------------------------------------------------------------------------------------------------------
