@@ -4,10 +4,12 @@
     python -m fx_fusion explain path/to/file.py:make_model [--json] [--min-layers N] [--dump DIR] [--svg DIR]
     python -m fx_fusion explain package.module:make_model ...
 
-`demo` builds a DFlash-style draft's context K/V from Hugging Face Qwen3 attention modules (small and fp32
-on a CPU, Qwen3-8B-sized and bf16 on a GPU), compiles it with the fx_fusion backend, prints what the pass
-did, checks the outputs against eager (exit status 1 when they differ) and, on a GPU, times it against
-torch.compile's default backend.
+`demo` builds a whole DFlash-style draft step from Hugging Face Qwen3 decoder layers (small and fp32 on a
+CPU, Qwen3-8B-sized and bf16 on a GPU): the context K/V of every layer into its cache, then the noise
+block's attention over cache + block. It compiles the step with the fx_fusion backend, prints what the
+pass did (the fused context group, its cache writes absorbed), checks the output and the caches against
+eager (exit status 1 when they differ or the cache writes were not absorbed) and, on a GPU, times the step
+against torch.compile's default backend.
 
 `explain` imports a factory returning `(module, args)` or `(module, args, kwargs)`, compiles the module
 with the fx_fusion backend on those inputs and prints the report (`--json`: machine-readable).
@@ -102,20 +104,20 @@ def _bench_us(fn: Callable[[], Any]) -> float:
     return float(do_bench(fn, warmup=25, rep=200, return_mode="median")) * 1e3
 
 
-def _speed(model, x, pos, seq_len: int, dtype: torch.dtype) -> None:
-    """Plain and CUDA-graphed median time of torch.compile default vs the fx_fusion backend."""
-    name = torch.cuda.get_device_name(x.device)
-    print(f"\nSpeed on {name} (median of triton.testing.do_bench; batch 1, T={seq_len}, {str(dtype)[6:]}):")
+def _speed(model, inputs: tuple, seq_len: int, dtype: torch.dtype) -> None:
+    """Plain and CUDA-graphed median time of one draft step, torch.compile default vs the fx_fusion backend."""
+    name = torch.cuda.get_device_name(inputs[0].device)
+    print(f"\nSpeed on {name} (median of triton.testing.do_bench; one step, batch 1, T={seq_len}, {str(dtype)[6:]}):")
     rows = {}
     with torch.no_grad():
         for label, backend in (("torch.compile (default)", "inductor"), ("torch.compile fx_fusion", "fx_fusion")):
             compiled = torch.compile(model, backend=backend, dynamic=False)
             for _ in range(3):
-                compiled(x, pos)
+                compiled(*inputs)
             torch.cuda.synchronize()
-            plain = _bench_us(lambda: compiled(x, pos))
+            plain = _bench_us(lambda: compiled(*inputs))
             try:
-                graphed = _bench_us(cuda_graphs.capture(lambda: compiled(x, pos)))
+                graphed = _bench_us(cuda_graphs.capture(lambda: compiled(*inputs)))
             except Exception as exc:  # report what ran; a capture problem is not the demo's verdict
                 print(f"  ({label}: CUDA graph capture failed: {type(exc).__name__}: {exc})")
                 graphed = math.nan
@@ -128,8 +130,11 @@ def _speed(model, x, pos, seq_len: int, dtype: torch.dtype) -> None:
     print("  (plain: every call launched from Python, host overhead included; CUDA graph: replays only)")
 
 
+BLOCK_SIZE = 16  # tokens of the drafted (noise) block per step
+
+
 def demo(args: argparse.Namespace) -> int:
-    from .drafts import example_inputs, qwen3_context_kv
+    from .draft_step import draft_step_inputs, qwen3_draft_step
     from .explain import explain
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -142,32 +147,42 @@ def demo(args: argparse.Namespace) -> int:
     seq_len = args.seq_len or (1024 if gpu else 16)
     preset = "realistic" if gpu else "small"
     start = time.perf_counter()
-    model = qwen3_context_kv(args.layers, preset=preset, dtype=dtype, device=device)
-    x, pos = example_inputs(model, batch=1, seq_len=seq_len)
+    max_len = seq_len + 2 * BLOCK_SIZE
+    model = qwen3_draft_step(args.layers, preset=preset, max_len=max_len, dtype=dtype, device=device)
+    inputs = draft_step_inputs(model, ctx_tokens=seq_len, block_size=BLOCK_SIZE)
+    attn = model.layers[0].self_attn
     print(
-        f"DFlash-style draft context K/V: {model.n_layers} Hugging Face Qwen3Attention layers reading the same "
-        f"hidden states\n  hidden {model.hidden_size}, {model.num_kv_heads} KV heads x {model.head_dim}, "
-        f"K RMSNorm + RoPE; {str(dtype)[6:]} on {device}; batch 1, T={seq_len} "
-        f"({'Qwen3-8B-sized' if gpu else 'small random config'})\n"
+        f"DFlash-style draft step: {len(model.layers)} Hugging Face Qwen3 decoder layers. Each writes the context "
+        f"K/V of the target's hidden states\ninto its own cache (index_copy_, as StaticCache does), then the "
+        f"{BLOCK_SIZE}-token noise block attends over cache + block.\n  hidden {model.hidden_size}, "
+        f"{attn.config.num_key_value_heads} KV heads x {attn.head_dim}, K RMSNorm + RoPE; {str(dtype)[6:]} on "
+        f"{device}; batch 1, T={seq_len} context tokens ({'Qwen3-8B-sized' if gpu else 'small random config'})\n"
     )
+
+    def caches() -> list[torch.Tensor]:
+        return [t.clone() for c in model.caches for t in (c.k, c.v)]
+
     with torch.no_grad():
-        reference = model(x, pos)
-    report = explain(model, x, pos, dump_dir=args.dump, svg_dir=args.svg)
+        reference = model(*inputs)
+    reference_caches = caches()
+    model.reset_caches()
+    report = explain(model, *inputs, dump_dir=args.dump, svg_dir=args.svg)
     print(report)
     _print_files(report, args.dump, args.svg, sys.stdout)
 
-    max_abs, max_rel = _max_errors(report.output, reference)
+    max_abs, max_rel = _max_errors((report.output, *caches()), (reference, *reference_caches))
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     ok = max_rel <= tolerance and math.isfinite(max_abs)
     print(
-        f"\nNumerics vs eager ({len(reference)} outputs): max abs error {max_abs:.3e}, max relative error "
-        f"{max_rel:.3e} (tolerance {tolerance:g}): {'PASS' if ok else 'FAIL'}"
+        f"\nNumerics vs eager (the drafted block's hidden states and {len(reference_caches)} caches): max abs error "
+        f"{max_abs:.3e}, max relative error {max_rel:.3e} (tolerance {tolerance:g}): {'PASS' if ok else 'FAIL'}"
     )
-    if not report.fused_groups:
-        print("FAIL: the pass fused nothing")
+    absorbed = [g for g in report.fused_groups if g.cache_writes.startswith("K and V of")]
+    if not absorbed:
+        print("FAIL: the context K/V were not fused straight into the caches")
         ok = False
     if gpu:
-        _speed(model, x, pos, seq_len, dtype)
+        _speed(model, inputs, seq_len, dtype)
     else:
         print("(speed: run on a CUDA machine to compare with torch.compile's default backend)")
     print(f"\ndemo took {time.perf_counter() - start:.1f}s")
@@ -271,7 +286,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="{demo,explain}")
     sub.required = True
 
-    d = sub.add_parser("demo", help="compile a DFlash-style Qwen3 draft's context K/V, report, check, time")
+    d = sub.add_parser("demo", help="compile a DFlash-style Qwen3 draft step, report, check, time")
     d.add_argument("--layers", type=int, default=5, help="draft layers (default 5)")
     d.add_argument("--seq-len", type=int, default=None, help="context tokens (default 16 on CPU, 1024 on GPU)")
     d.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")

@@ -56,6 +56,9 @@ class DraftStep(nn.Module):
         k_norm; input_layernorm, post_attention_layernorm, mlp), not their forward.
     norm: the final `Qwen3RMSNorm`; rotary_emb: the `Qwen3RotaryEmbedding` shared by all layers.
     max_len: cache rows per layer; cache row p holds the token at position p (positions < max_len).
+    cache_dtype: the caches' dtype (default: the weights'); an FP8 dtype stores `(k / k_scale).to(fp8)` and
+        `(v / v_scale).to(fp8)` with per-tensor scales (buffers `k_scale`, `v_scale`, both `cache_scale`),
+        dequantised `cache.to(dtype) * scale` before attention.
 
     The caches are module buffers, `caches[l].k` and `caches[l].v`, each [B, H_kv, max_len, D], updated in
     place: buffers mutated in place compile with `torch.compile(..., fullgraph=True)` without graph
@@ -84,12 +87,20 @@ class DraftStep(nn.Module):
         rotary_emb: Qwen3RotaryEmbedding,
         max_len: int,
         batch_size: int = 1,
+        cache_dtype: torch.dtype | None = None,
+        cache_scale: float = 1.0,
     ) -> None:
         super().__init__()
         self.layers = layers if isinstance(layers, nn.ModuleList) else nn.ModuleList(layers)
         self.norm = norm
         self.rotary_emb = rotary_emb
         self.max_len = max_len
+        self.cache_dtype = cache_dtype or norm.weight.dtype
+        # FP8 caches hold k / k_scale and v / v_scale (per-tensor scales, as vLLM and SGLang keep them)
+        quantized = self.cache_dtype != norm.weight.dtype
+        scale = torch.tensor(cache_scale, dtype=torch.float32, device=norm.weight.device)
+        self.register_buffer("k_scale", scale.clone() if quantized else None, persistent=False)
+        self.register_buffer("v_scale", scale.clone() if quantized else None, persistent=False)
         self.caches = nn.ModuleList()
         self.reset_caches(batch_size)
 
@@ -110,7 +121,7 @@ class DraftStep(nn.Module):
             attn = layer.self_attn
             weight = attn.k_proj.weight
             shape = (batch_size, weight.shape[0] // attn.head_dim, self.max_len, attn.head_dim)
-            k = torch.full(shape, fill_value, dtype=weight.dtype, device=weight.device)
+            k = torch.full(shape, fill_value, device=weight.device).to(self.cache_dtype)
             self.caches.append(LayerCache(k, torch.full_like(k, fill_value)))
 
     def forward(
@@ -120,8 +131,7 @@ class DraftStep(nn.Module):
         noise: torch.Tensor,
         block_positions: torch.Tensor,
     ) -> torch.Tensor:
-        cache_position = ctx_positions[0]
-        self._write_context(target_hidden, ctx_positions, cache_position)
+        cache_position = self.write_context(target_hidden, ctx_positions)
         key_rows = torch.arange(self.max_len + noise.shape[1], device=noise.device).view(1, -1)
         visible = (key_rows <= cache_position.max()) | (key_rows >= self.max_len)  # [1, max_len + S]
         cos_sin = self.rotary_emb(noise, block_positions)
@@ -132,9 +142,10 @@ class DraftStep(nn.Module):
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return self.norm(hidden)
 
-    def _write_context(
-        self, target_hidden: torch.Tensor, ctx_positions: torch.Tensor, cache_position: torch.Tensor
-    ) -> None:
+    def write_context(self, target_hidden: torch.Tensor, ctx_positions: torch.Tensor) -> torch.Tensor:
+        """The context part alone: every layer's K/V of `target_hidden` into its cache rows
+        `cache_position = ctx_positions[0]` (returned), quantised `(k / k_scale).to(fp8)` for FP8 caches."""
+        cache_position = ctx_positions[0]
         cos, sin = self.rotary_emb(target_hidden, ctx_positions)
         for layer, cache in zip(self.layers, self.caches):
             attn = layer.self_attn
@@ -142,11 +153,16 @@ class DraftStep(nn.Module):
             k = attn.k_norm(attn.k_proj(target_hidden).view(shape)).transpose(1, 2)
             _, k = apply_rotary_pos_emb(k, k, cos, sin)  # k as q too: that output is unused
             v = attn.v_proj(target_hidden).view(shape).transpose(1, 2)
-            cache.k.index_copy_(2, cache_position, k)
-            cache.v.index_copy_(2, cache_position, v)
+            if self.k_scale is None:
+                cache.k.index_copy_(2, cache_position, k)
+                cache.v.index_copy_(2, cache_position, v)
+            else:  # index_copy_ has no FP8 kernel on CPU; StaticCache falls back to this spelling too
+                cache.k[:, :, cache_position] = (k / self.k_scale).to(self.cache_dtype)
+                cache.v[:, :, cache_position] = (v / self.v_scale).to(self.cache_dtype)
+        return cache_position
 
-    @staticmethod
     def _attend(
+        self,
         attn: Qwen3Attention,
         x: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
@@ -159,8 +175,11 @@ class DraftStep(nn.Module):
         k = attn.k_norm(attn.k_proj(x).view(shape)).transpose(1, 2)
         v = attn.v_proj(x).view(shape).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, *cos_sin)
-        keys = torch.cat([cache.k, k], dim=2)
-        values = torch.cat([cache.v, v], dim=2)
+        cached_k, cached_v = cache.k, cache.v
+        if cached_k.dtype != k.dtype:  # FP8 caches: dequantised
+            cached_k, cached_v = cached_k.to(k.dtype) * self.k_scale, cached_v.to(v.dtype) * self.v_scale
+        keys = torch.cat([cached_k, k], dim=2)
+        values = torch.cat([cached_v, v], dim=2)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=attn.scaling, enable_gqa=True)
         return attn.o_proj(out.transpose(1, 2).flatten(2))
 
@@ -173,8 +192,11 @@ def qwen3_draft_step(
     device: torch.device | str = "cpu",
     seed: int = 0,
     batch_size: int = 1,
+    cache_dtype: torch.dtype | None = None,
+    cache_scale: float = 1.0,
 ) -> DraftStep:
-    """A `DraftStep` over `n_layers` HF `Qwen3DecoderLayer`s with deterministic random weights.
+    """A `DraftStep` over `n_layers` HF `Qwen3DecoderLayer`s with deterministic random weights; caches in
+    `cache_dtype` (default: `dtype`; an FP8 dtype quantises with the per-tensor scale `cache_scale`).
 
     Shapes from `fx_fusion.drafts.PRESETS[preset]`: "small" (hidden 64, 4 query / 2 KV heads of 32) or
     "realistic" (Qwen3-8B attention: hidden 4096, 32 query / 8 KV heads of 128); MLP width 3 * hidden,
@@ -203,7 +225,7 @@ def qwen3_draft_step(
     _init_weights_(nn.ModuleDict({"layers": layers, "norm": norm}), seed, device, dtype)
     # The rotary embedding computes inv_freq at init: built for real, its buffers fp32 as in HF.
     rotary = Qwen3RotaryEmbedding(config).to(device)
-    return DraftStep(layers, norm, rotary, max_len, batch_size).eval()
+    return DraftStep(layers, norm, rotary, max_len, batch_size, cache_dtype, cache_scale).eval()
 
 
 def draft_step_inputs(

@@ -120,6 +120,10 @@ class FusionReport:
                 )
                 rows += [[""] * (len(header) - 1) + [loc] for loc in layers[1:]]
             lines += _table(header, rows)
+            cached = [(i, g.cache_writes) for i, g in enumerate(self.fused_groups) if g.cache_writes]
+            if cached:
+                lines += ["", "Cache writes after a fused group:"]
+                lines += _table(["#", "what became of them"], [[str(i), note] for i, note in cached])
         if self.rejected:
             lines += ["", "Rejected candidates:"]
             lines += _table(["location", "reason"], [[_short_location(r.location), r.reason] for r in self.rejected])

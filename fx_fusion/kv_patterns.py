@@ -647,10 +647,10 @@ def _rotation_after(start: torch.fx.Node, required: bool, same_value: Optional[V
             reasons.append(str(reason))
     looks_rotated = any(is_call(u, aten.mul.Tensor, aten.slice.Tensor) for p in points for u in p.users)
     # the most telling reason: one that found a rotary-like region, else the furthest point's
-    found = [r for r in reasons if r != rotary_action.NO_ROTATION] or reasons
-    if required or looks_rotated:
-        raise NoMatch(found[0])
-    raise NotKBranch(found[0])
+    found = [r for r in reasons if r != rotary_action.NO_ROTATION]
+    if required or (looks_rotated and found):
+        raise NoMatch((found or reasons)[0])
+    raise NotKBranch(reasons[0])
 
 
 def match_k_branch(projection: Projection, source: "BranchSource", same_value: Optional[ValueKeys] = None) -> KBranch:

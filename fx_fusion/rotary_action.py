@@ -334,7 +334,29 @@ def match_rotation(k: torch.fx.Node, same_value: Optional[ValueKeys] = None) -> 
             reasons.append(str(reason))
         except Exception as error:  # an op the probe cannot evaluate: not something we can prove
             reasons.append(f"could not be evaluated ({type(error).__name__})")
+    if _factors_share_inputs_with_k(k, inside):  # e.g. an MLP's up * act(gate): no rotary embedding
+        raise NotRotary(NO_ROTATION)
     raise NotRotary(reasons[0])
+
+
+def _graph_inputs_of(nodes: list[torch.fx.Node]) -> set:
+    seen, inputs, stack = set(), set(), list(nodes)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op in ("placeholder", "get_attr"):
+            inputs.add(node)
+        stack.extend(node.all_input_nodes)
+    return inputs
+
+
+def _factors_share_inputs_with_k(k: torch.fx.Node, inside: dict) -> bool:
+    """Whether the region's other factors (the would-be cos/sin) are computed from a graph input that K is
+    computed from: rotary tables come from positions, never from the hidden states K is projected from."""
+    factors = {a for n in inside for a in n.all_input_nodes if a not in inside}
+    return bool(factors) and bool(_graph_inputs_of(list(factors)) & _graph_inputs_of([k]))
 
 
 def _identify(

@@ -5,7 +5,7 @@
 Runs the Triton kernel on the inputs most likely to go out of bounds (cache edges, out-of-range positions
 inside torch.compile, strided and padded heads, per-layer cos/sin tables, 4-D projections whose heads sit
 apart in a per-group QKV buffer, tiny shapes) and compares every result with the float64 reference of
-tests/test_fused_kv_op.py. Exits nonzero on any mismatch; memcheck reports bad accesses.
+tests/test_fused_kv_op.py, plus the KV-cache writes of tests/test_cache_writes.py. Exits nonzero on any mismatch; memcheck reports bad accesses.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import sys
 
 import torch
 
+from test_cache_writes import LAYOUTS, check_cache_write
 from test_fused_kv_op import Case, check_all_variants, make_inputs, reference, assert_close_to_reference
 
 from fx_fusion.kernels.grouped_gemv import grouped_gemv_supported, grouped_linear_reference, launch_grouped_gemv
@@ -105,6 +106,10 @@ def main() -> int:
     checks["compiled-out-of-range-positions"] = compiled_out_of_range_positions
     checks["strided-positions"] = strided_positions
     checks.update({name: functools.partial(grouped_gemv, **shape) for name, shape in GEMV_CASES.items()})
+    for layout in LAYOUTS:  # slots of -1 and past the cache skipped, guard regions around every cache
+        for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+            checks[f"cache-write-{layout}-{str(dtype)[6:]}"] = functools.partial(check_cache_write, layout, dtype, "cuda")
+    checks["cache-write-11-layers"] = functools.partial(check_cache_write, "static", torch.bfloat16, "cuda", n_layers=11)
     for name, check in checks.items():
         try:
             check()

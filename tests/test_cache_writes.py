@@ -42,7 +42,17 @@ def _expected_rows(values: torch.Tensor, slots: torch.Tensor, num_slots: int) ->
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
 def test_op_writes_every_layer_at_its_slots(layout: str, cache_dtype: torch.dtype, device: str) -> None:
-    case = Case(total_ctx=9, n_layers=3, num_kv_heads=2, head_dim=64, rope="per_token", dtype=torch.bfloat16)
+    check_cache_write(layout, cache_dtype, device)
+
+
+def test_op_writes_more_layers_than_one_launch_takes(device: str) -> None:
+    check_cache_write("static", torch.bfloat16, device, n_layers=11)  # launched 8 layers at a time
+
+
+def check_cache_write(layout: str, cache_dtype: torch.dtype, device: str, n_layers: int = 3) -> None:
+    """Poisoned caches (inside guard regions) written by the op, against the float64 reference: every
+    named slot holds its token's K/V, every other slot and the guards stay NaN."""
+    case = Case(total_ctx=9, n_layers=n_layers, num_kv_heads=2, head_dim=64, rope="per_token", dtype=torch.bfloat16)
     inputs = make_inputs(case, device)
     k_ref, v_ref = reference(case, inputs)  # [L, T, H, D] float64
     batches, per_batch = 2, 8
@@ -179,15 +189,18 @@ class CachedContext(torch.nn.Module):
     """Context K/V of a draft (drafts.ContextKV) written into per-layer caches (buffers), as `spelling` says;
     with a `scale`, quantised the way peers spell it, `(k / k_scale).to(cache dtype)`."""
 
-    def __init__(self, spelling: str, dtype: torch.dtype, cache_dtype: torch.dtype, batch: int = 1, scale: bool = False):
+    def __init__(
+        self, spelling: str, dtype: torch.dtype, cache_dtype: torch.dtype, batch: int = 1, scale: bool = False,
+        device: str = "cpu",
+    ):  # fmt: skip
         super().__init__()
-        self.context = qwen3_context_kv(3, dtype=dtype)
+        self.context = qwen3_context_kv(3, dtype=dtype, device=device)
         self.spelling = spelling
         shape = _cache_shape(spelling, batch, self.context.num_kv_heads, self.context.head_dim)
         for i in range(2 * self.context.n_layers):
-            self.register_buffer(f"cache{i}", torch.full(shape, SENTINEL).to(cache_dtype), persistent=False)
-        self.register_buffer("k_scale", torch.tensor(0.37) if scale else None, persistent=False)
-        self.register_buffer("v_scale", torch.tensor(1.9) if scale else None, persistent=False)
+            self.register_buffer(f"cache{i}", torch.full(shape, SENTINEL, device=device).to(cache_dtype), persistent=False)
+        self.register_buffer("k_scale", torch.tensor(0.37, device=device) if scale else None, persistent=False)
+        self.register_buffer("v_scale", torch.tensor(1.9, device=device) if scale else None, persistent=False)
 
     def caches(self) -> list[torch.Tensor]:
         return [getattr(self, f"cache{i}") for i in range(2 * self.context.n_layers)]
@@ -218,7 +231,7 @@ def _inputs(module: CachedContext, tokens: int, batch: int = 1, slots=None):
     cache_position = torch.arange(tokens) + 5
     if slots is None:
         slots = torch.randperm(MAX_LEN, generator=torch.Generator().manual_seed(0))[:tokens]
-    return hidden, positions, cache_position, slots
+    return hidden, positions, cache_position.to(hidden.device), slots.to(hidden.device)
 
 
 def _count(graph: torch.fx.Graph, target) -> int:
@@ -226,13 +239,15 @@ def _count(graph: torch.fx.Graph, target) -> int:
 
 
 SPELLINGS = ["static", "static_setitem", "slice_copy", "flat_pool", "paged_flat_view", "paged_block_offset", "index_put_"]
+CUDA = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"), pytest.mark.gpu]
+ON_CUDA = [pytest.param(s, "cuda", id=f"cuda-{s}", marks=CUDA) for s in ("static", "paged_flat_view", "slice_copy")]
 
 
-@pytest.mark.parametrize("spelling", SPELLINGS)
+@pytest.mark.parametrize("spelling, device", [(s, "cpu") for s in SPELLINGS] + ON_CUDA)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_pass_absorbs_cache_writes(spelling: str, dtype: torch.dtype, fresh_compile) -> None:
+def test_pass_absorbs_cache_writes(spelling: str, device: str, dtype: torch.dtype, fresh_compile) -> None:
     batch = 2 if spelling.startswith("static") else 1
-    module = CachedContext(spelling, dtype, dtype, batch=batch)
+    module = CachedContext(spelling, dtype, dtype, batch=batch, device=device)
     inputs = _inputs(module, tokens=5, batch=batch)
     expected, _ = _run(module, "inductor", inputs)
     eager, _ = _run(module, "eager", inputs)
@@ -255,11 +270,13 @@ def test_pass_absorbs_cache_writes(spelling: str, dtype: torch.dtype, fresh_comp
             torch.testing.assert_close(a[written].float(), ref[written].float(), rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("spelling", ["flat_pool", "paged_flat_view", "slice_copy"])
+@pytest.mark.parametrize(
+    "spelling, device", [(s, "cpu") for s in ("flat_pool", "paged_flat_view", "slice_copy")] + ON_CUDA[1:]
+)
 @pytest.mark.parametrize("cache_dtype", FP8, ids=str)
-def test_pass_absorbs_fp8_cache_writes(spelling: str, cache_dtype: torch.dtype, fresh_compile) -> None:
+def test_pass_absorbs_fp8_cache_writes(spelling: str, device: str, cache_dtype: torch.dtype, fresh_compile) -> None:
     """float32 K and V: the fused FP8 caches equal stock Inductor's bit for bit."""
-    module = CachedContext(spelling, torch.float32, cache_dtype, scale=True)
+    module = CachedContext(spelling, torch.float32, cache_dtype, scale=True, device=device)
     inputs = _inputs(module, tokens=6)
     expected, _ = _run(module, "inductor", inputs)
     actual, records = _run(module, "fx_fusion", inputs)

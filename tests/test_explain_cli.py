@@ -304,8 +304,10 @@ def factory_file(tmp_path_factory):
 def test_cli_demo_small_cpu():
     result = _run("-m", "fx_fusion", "demo", "--layers", "2", "--seq-len", "8", "--device", "cpu")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "fused 1 K/V group(s) (2 layers)" in result.stdout
     assert "Fused groups:" in result.stdout
+    # the context K/V of both layers: one group, its cache writes absorbed (each layer's Q and K: a group too)
+    assert "K and V of 2 layers written straight into their caches: 4 cache writes absorbed" in result.stdout
+    assert "Rejected candidates:" not in result.stdout  # the MLPs' projections are not mistaken for K
     assert "PASS" in result.stdout and "FAIL" not in result.stdout
 
 

@@ -1,0 +1,215 @@
+"""GPU benchmark of a whole DFlash-style draft step and of its context part, every column in one run.
+
+    python benchmarks/bench_draft_step.py [--quick] [--seq-lens 1,16,128,1024,8192] [--parts context,step]
+        [--caches bf16,fp8] [--out DIR]
+
+The draft (fx_fusion.draft_step.qwen3_draft_step): 5 Hugging Face Qwen3 decoder layers, Qwen3-8B attention
+sizes (hidden 4096, 32 query / 8 KV heads x 128), bf16, batch 1, a 16-token noise block, per-layer caches
+[1, 8, max_len, 128] written with index_copy_ (StaticCache's spelling). T = context tokens per step.
+
+Parts: "context" = `DraftStep.write_context` (every layer's K/V of the T context tokens into its cache),
+"step" = the whole step (context, then the block's attention over cache + block and the rest of each
+layer). Caches: bf16, or FP8 e4m3 with a per-tensor scale (`(k / k_scale).to(fp8)`, "fp8" rows).
+
+FP8 rows have the inductor and fx_fusion columns only. Columns (median us of triton.testing.do_bench, plain and CUDA-graphed: the warmed-up callable captured in a
+torch.cuda.CUDAGraph, replays timed):
+    inductor   torch.compile(m)                       frozen   the same with Inductor freezing
+    fx_fusion  torch.compile(m, backend="fx_fusion")   sglang   context only: K/V weights stacked once,
+               (its context group fused, the cache                one GEMM, the fused op, then each layer's
+               writes absorbed: one GEMM + one kernel)            index_copy_ into its cache (SGLang's
+                                                                  order), compiled with torch.compile
+floor (context): max(bytes / copy bandwidth, flops / matmul rate), bytes = hidden states + K/V weights + the
+cache rows written (each byte once), flops = 2*T*hidden*L*2*kv; ceilings measured in this run (fastest
+do_bench call of a 1 GiB copy and a bf16 8192^3 matmul). Every column is checked against eager (the step's
+output and the written cache rows, relative error < 2e-2, < 1e-1 with FP8 caches) before it is timed. Writes bench_draft_step.json
+and .md to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_module import Timer, capture_graph, log, measure_ceilings, short_error  # noqa: E402
+
+import fx_fusion  # noqa: E402,F401  (registers backend="fx_fusion")
+from fx_fusion.diagnostics import RecordSink  # noqa: E402
+from fx_fusion.draft_step import DraftStep, draft_step_inputs, qwen3_draft_step  # noqa: E402
+from fx_fusion.drafts import ContextKV, HandFusedContextKV  # noqa: E402
+
+LAYERS, BLOCK = 5, 16
+FP8 = torch.float8_e4m3fn
+
+
+class ContextPart(torch.nn.Module):
+    """`DraftStep.write_context` as a module (what the context columns compile)."""
+
+    def __init__(self, step: DraftStep) -> None:
+        super().__init__()
+        self.step = step
+
+    def forward(self, target_hidden, ctx_positions, noise, block_positions):
+        return self.step.write_context(target_hidden, ctx_positions)
+
+
+class SGLangContext(torch.nn.Module):
+    """The hand-fused context part: one GEMM over weights stacked once, the fused op, then per-layer writes."""
+
+    def __init__(self, step: DraftStep) -> None:
+        super().__init__()
+        self.step = step
+        self.fused = HandFusedContextKV(ContextKV([layer.self_attn for layer in step.layers], step.rotary_emb))
+
+    def forward(self, target_hidden, ctx_positions, noise, block_positions):
+        cache_position = ctx_positions[0]
+        outputs = self.fused(target_hidden, ctx_positions)
+        for i, cache in enumerate(self.step.caches):
+            cache.k.index_copy_(2, cache_position, outputs[2 * i])
+            cache.v.index_copy_(2, cache_position, outputs[2 * i + 1])
+        return cache_position
+
+
+def floor_us(step: DraftStep, seq_len: int, ceilings: dict) -> dict[str, float]:
+    attn = step.layers[0].self_attn
+    hidden, elt = step.hidden_size, attn.k_proj.weight.element_size()
+    kv = attn.k_proj.weight.shape[0]
+    cache_elt = step.caches[0].k.element_size()
+    nbytes = seq_len * hidden * elt + LAYERS * 2 * kv * hidden * elt + LAYERS * 2 * seq_len * kv * cache_elt
+    flops = 2 * seq_len * hidden * LAYERS * 2 * kv
+    t_mem, t_flop = nbytes / ceilings["copy_bytes_per_s"] * 1e6, flops / ceilings["matmul_flops_per_s"] * 1e6
+    return {"us": max(t_mem, t_flop), "mem_us": t_mem, "flop_us": t_flop, "bytes": nbytes, "flops": flops}
+
+
+def snapshot(step: DraftStep, out: Any, seq_len: int) -> list[torch.Tensor]:
+    """What a column must reproduce: the step's output (if any) and the cache rows written this step."""
+    rows = [t[:, :, :seq_len].float() for c in step.caches for t in (c.k, c.v)]
+    return ([out.float()] if out.dim() == 3 else []) + rows
+
+
+def rel_error(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    return max((g - r).norm().item() / max(r.norm().item(), 1e-30) for g, r in zip(got, ref))
+
+
+def run_column(timer: Timer, step: DraftStep, module, backend: str | None, freezing: bool, inputs, ref, seq_len):
+    """{"plain": us, "graph": us, "err": rel, "tol": allowed, "absorbed": bool} for one compiled variant."""
+    torch._dynamo.reset()
+    records: list = []
+    with torch._inductor.config.patch(freezing=freezing, fx_graph_cache=False), RecordSink.collect(records):
+        fn = torch.compile(module, backend=backend, dynamic=False) if backend else module
+        step.reset_caches()
+        out = fn(*inputs)
+        err = rel_error(snapshot(step, out, seq_len), ref)
+        call = lambda: fn(*inputs)  # noqa: E731
+        for _ in range(2):
+            call()
+        # one FP8 step is 6-12% of a value: FP8 caches that round a value the other way differ that much
+        cell = {"err": err, "tol": 1e-1 if step.k_scale is not None else 2e-2, "plain": timer(call)}
+        try:
+            cell["graph"] = timer(capture_graph(call, inputs[0].device))
+        except Exception as exc:  # noqa: BLE001
+            cell["graph_error"] = short_error(exc)
+    notes = [g.cache_writes for r in records for g in r.fused_groups if g.cache_writes]
+    cell["absorbed"] = any(n.startswith("K and V of") for n in notes)
+    return cell
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="T = 1, 1024, 8192 only; no frozen column for the step")
+    parser.add_argument("--seq-lens", default=None)
+    parser.add_argument("--parts", default="context,step", help="context, step or both")
+    parser.add_argument("--caches", default="bf16,fp8", help="bf16, fp8 or both")
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--device", default="cuda", help="cuda (a cpu run only checks the script: small preset)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    preset = "realistic" if device.type == "cuda" else "small"
+    seq_lens = [int(t) for t in (args.seq_lens or ("1,1024,8192" if args.quick else "1,16,128,1024,8192")).split(",")]
+    timer = Timer(device, warmup=10, rep=100)
+    ceilings = measure_ceilings(timer, device)
+    log(f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceilings['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")
+    start, rows = time.time(), []
+    torch.set_grad_enabled(False)
+    for cache_name, cache_dtype in (("bf16", None), ("fp8", FP8)):
+        if cache_name not in args.caches.split(","):
+            continue
+        step = qwen3_draft_step(LAYERS, preset=preset, max_len=max(seq_lens) + 2 * BLOCK, dtype=torch.bfloat16,
+                                device=device, cache_dtype=cache_dtype, cache_scale=0.05)  # fmt: skip
+        for seq_len in seq_lens:
+            inputs = draft_step_inputs(step, ctx_tokens=seq_len, block_size=BLOCK)
+            parts = {"context": ContextPart(step), "step": step}
+            for part, module in parts.items():
+                if part not in args.parts.split(","):
+                    continue
+                step.reset_caches()
+                ref = snapshot(step, module(*inputs), seq_len)
+                row = {"cache": cache_name, "part": part, "T": seq_len}
+                columns = {"inductor": (module, "inductor", False)}
+                if cache_dtype is None and not (args.quick and part == "step"):
+                    columns["frozen"] = (module, "inductor", True)
+                if part == "context" and cache_dtype is None:
+                    columns["sglang"] = (SGLangContext(step), "inductor", False)
+                columns["fx_fusion"] = (module, "fx_fusion", False)
+                for name, (mod, backend, freezing) in columns.items():
+                    try:
+                        row[name] = run_column(timer, step, mod, backend, freezing, inputs, ref, seq_len)
+                    except Exception as exc:  # noqa: BLE001  (report what ran)
+                        row[name] = {"error": short_error(exc)}
+                    log(f"{cache_name} {part:<7} T={seq_len:<5} {name:<9} {row[name]}")
+                if part == "context":
+                    row["floor"] = floor_us(step, seq_len, ceilings)
+                rows.append(row)
+        del step
+    meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__, "ceilings": ceilings,
+            "elapsed_s": time.time() - start}  # fmt: skip
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_draft_step.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    text = markdown(rows, meta)
+    with open(os.path.join(args.out, "bench_draft_step.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0
+
+
+def _cell(cell: dict | None, key: str) -> str:
+    if not cell:
+        return "-"
+    if "error" in cell:
+        return "error"
+    value = cell.get(key)
+    text = f"{value:.1f}" if value is not None else "-"
+    return text + (" FAIL" if cell.get("err", 0) >= cell.get("tol", 2e-2) else "")
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    columns = ["inductor", "frozen", "sglang", "fx_fusion"]
+    lines = [f"# Draft step on {meta['device']} (torch {meta['torch']}), median us", ""]
+    for key, title in (("graph", "CUDA-graphed"), ("plain", "plain (launched from Python)")):
+        lines += [f"## {title}", ""]
+        lines.append("| cache | part | T | " + " | ".join(columns) + " | floor | fx_fusion / floor | vs inductor | absorbed |")
+        lines.append("|---|---|---:|" + "---:|" * (len(columns) + 4))
+        for row in rows:
+            fx = (row.get("fx_fusion") or {}).get(key)
+            ind = (row.get("inductor") or {}).get(key)
+            floor = (row.get("floor") or {}).get("us")
+            ratio = f"{fx / floor:.2f}x" if fx and floor else "-"
+            speedup = f"{ind / fx:.2f}x" if fx and ind else "-"
+            absorbed = "yes" if (row.get("fx_fusion") or {}).get("absorbed") else "no"
+            cells = [_cell(row.get(c), key) for c in columns]
+            floor_text = f"{floor:.1f}" if floor else "-"
+            lines.append(f"| {row['cache']} | {row['part']} | {row['T']} | " + " | ".join(cells)
+                         + f" | {floor_text} | {ratio} | {speedup} | {absorbed} |")  # fmt: skip
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
