@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session: CUDA tests, the memory checker on the kernel, the benchmarks, the host-cost breakdown.
 #   OUT=/some/dir bash benchmarks/gpu_session.sh [tests] [sanitize] [bench_op] [bench_gemv] [bench_module]
-#       [bench_module_quick] [bench_whole] [bench_whole_mid] [host] [bench_draft_ctx] [bench_draft_step] [demo]
+#       [bench_module_quick] [bench_whole] [bench_whole_mid] [host] [bench_draft_ctx] [bench_draft_step] [demo] [tests_cache]
 # Installs the checkout editable first (offline: the build needs setuptools>=77 already installed), so
 # everything runs against the installed package; logs go to $OUT.
 set -uo pipefail
@@ -21,6 +21,7 @@ python -c "import torch, triton, transformers; print('torch', torch.__version__,
 for step in "${steps[@]}"; do
   echo "=== $step $(date +%T)"
   case "$step" in
+    tests_cache) timeout 300 python -m pytest -q -p no:cacheprovider -k "cuda" tests/test_cache_writes.py > "$OUT/pytest_cache_cuda.log" 2>&1; tail -n 3 "$OUT/pytest_cache_cuda.log" ;;
     tests) timeout 420 python -m pytest -q -p no:cacheprovider -k "cuda or reduce_overhead or gpu" tests > "$OUT/pytest_cuda.log" 2>&1; tail -n 3 "$OUT/pytest_cuda.log" ;;
     sanitize) (cd tests && timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 python gpu_sanitize_cases.py) > "$OUT/sanitizer.log" 2>&1; echo "sanitizer exit $?"; tail -n 5 "$OUT/sanitizer.log" ;;
     bench_op) timeout 300 python benchmarks/bench_op.py --out "$OUT" 2>&1 | tail -n 30 ;;
@@ -30,7 +31,7 @@ for step in "${steps[@]}"; do
     bench_module_quick) timeout 400 python benchmarks/bench_module.py --quick --out "$OUT" 2>&1 | tail -n 40 ;;
     bench_whole) timeout 480 python benchmarks/bench_whole_model.py --device cuda --quick --out "$OUT/whole" 2>&1 | tail -n 40 ;;
     bench_draft_ctx) timeout 560 python benchmarks/bench_draft_step.py --parts context --out "$OUT" 2>&1 | tail -n 40 ;;
-    bench_draft_step) timeout 560 python benchmarks/bench_draft_step.py --parts step --quick --out "$OUT/step" 2>&1 | tail -n 30 ;;
+    bench_draft_step) timeout 560 python benchmarks/bench_draft_step.py --parts step --quick --caches bf16 --out "$OUT/step" 2>&1 | tail -n 30 ;;
     demo) timeout 300 python -m fx_fusion demo > "$OUT/demo.log" 2>&1; echo "demo exit $?"; tail -n 25 "$OUT/demo.log" ;;
     bench_whole_mid) timeout 480 python benchmarks/bench_whole_model.py --device cuda --seq-lens 16,512 --out "$OUT/whole_mid" 2>&1 | tail -n 40 ;;
   esac

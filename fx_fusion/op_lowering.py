@@ -41,13 +41,17 @@ def trace_functional(fn: Callable[..., Any], example_inputs: list) -> torch.fx.G
     return traced
 
 
-def _check_kernels_only_write_fresh_tensors(traced: torch.fx.Graph) -> None:
-    """Refuse a body whose kernel may write one of its inputs: Inductor would copy that input on every call
-    (it clones what a kernel mutates), e.g. every weight when it cannot analyse which pointers are stored to."""
+def _check_kernels_only_write_fresh_tensors(traced: torch.fx.Graph, writable: frozenset = frozenset()) -> None:
+    """Refuse a body whose kernel may write one of its inputs (other than the `writable` kernel arguments,
+    the caches a cache write is meant to update): Inductor would copy that input on every call (it clones
+    what a kernel mutates), e.g. every weight when it cannot analyse which pointers are stored to."""
     for node in traced.nodes:
         if node.target is torch.ops.higher_order.triton_kernel_wrapper_functional:
             kernel_args = node.kwargs["kwargs"]
-            written = [name for name in node.kwargs["tensors_to_clone"] if kernel_args[name].op == "placeholder"]
+            written = [
+                name for name in node.kwargs["tensors_to_clone"]
+                if kernel_args[name].op == "placeholder" and name not in writable
+            ]  # fmt: skip
             if written:
                 raise ValueError(f"the kernel may write its inputs {written}, which would be copied on every call")
 
@@ -105,10 +109,14 @@ def insert_traced(
 
 
 def inline_call(
-    graph: torch.fx.Graph, node: torch.fx.Node, body: Callable[..., Any], traces: Optional[dict] = None
+    graph: torch.fx.Graph,
+    node: torch.fx.Node,
+    body: Callable[..., Any],
+    traces: Optional[dict] = None,
+    writable: frozenset = frozenset(),
 ) -> list[torch.fx.Node]:
     """Replace `node` by the traced `body(*node.args, **node.kwargs)`; returns the nodes added.
-    `traces` caches traced bodies by signature."""
+    `traces` caches traced bodies by signature; `writable`: kernel arguments the body may write."""
     template = (node.args, node.kwargs)
 
     def call(args, kwargs):
@@ -118,7 +126,7 @@ def inline_call(
     traced = traces.get(key) if traces is not None else None
     if traced is None:
         traced = _trace_template(call, template)
-        _check_kernels_only_write_fresh_tensors(traced.graph)
+        _check_kernels_only_write_fresh_tensors(traced.graph, writable)
         if traces is not None:
             traces[key] = traced
     with graph.inserting_before(node):
@@ -133,13 +141,47 @@ def inline_call(
     return result.created
 
 
+# The kernel arguments that a cache write's kernel stores to: the caches (fused_kv_materialize's kernel).
+_CACHE_POINTERS = frozenset(
+    [f"{kv}_out_ptr" for kv in "kv"] + [f"{kv}_out{i}" for kv in "kv" for i in range(1, 8)]
+)
+
+
+def _functionalized_cache_write(op, **kwargs):
+    """The body of `auto_functionalized_v2(materialize_kv_to_cache, ...)`: the op's body on its caches (the
+    bases, which it writes), returning (no output, *the written bases) as the functional node does."""
+    from fx_fusion.kernels import ops
+
+    bases = list(kwargs["_all_bases"])
+    caches = {}
+    for name in ("k_caches", "v_caches"):
+        count = kwargs[f"_{name}_length"]
+        if any(f"_{name}_{i}_size" in kwargs for i in range(count)):  # a cache given as a view of its base
+            raise NotImplementedError("caches that are views of other tensors")
+        caches[name] = [bases[kwargs[f"_{name}_{i}_base_index"]] for i in range(count)]
+    args = [caches.get(a.name, kwargs.get(a.name)) for a in op._schema.arguments]
+    ops.materialize_kv_to_cache_body(*args)
+    return (None, *bases)
+
+
 def _bodies() -> dict:
+    """target -> (traceable body, kernel arguments it may write)."""
     from fx_fusion.kernels import grouped_linear, ops
 
     return {
-        torch.ops.fx_fusion.materialize_k.default: ops.materialize_k_body,
-        torch.ops.fx_fusion.grouped_linear.default: grouped_linear.grouped_linear_body,
+        torch.ops.fx_fusion.materialize_k.default: (ops.materialize_k_body, frozenset()),
+        torch.ops.fx_fusion.grouped_linear.default: (grouped_linear.grouped_linear_body, frozenset()),
     }
+
+
+def _body_of(node: torch.fx.Node, bodies: dict):
+    if node.op != "call_function":
+        return None
+    if node.target is torch.ops.higher_order.auto_functionalized_v2:
+        if node.args[0] is torch.ops.fx_fusion.materialize_kv_to_cache.default:
+            return _functionalized_cache_write, _CACHE_POINTERS
+        return None
+    return bodies.get(node.target)
 
 
 def lower_fused_ops(graph: torch.fx.Graph) -> tuple[int, list[str]]:
@@ -149,11 +191,12 @@ def lower_fused_ops(graph: torch.fx.Graph) -> tuple[int, list[str]]:
     """
     bodies, inlined, kept, traces = _bodies(), 0, [], {}
     for node in list(graph.nodes):
-        body = bodies.get(node.target) if node.op == "call_function" else None
-        if body is None:
+        found = _body_of(node, bodies)
+        if found is None:
             continue
+        body, writable = found
         try:
-            inline_call(graph, node, body, traces)
+            inline_call(graph, node, body, traces, writable)
             inlined += 1
         except NotImplementedError:  # the body does not serve this call: the op call is the right code
             continue

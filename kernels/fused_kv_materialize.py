@@ -356,12 +356,22 @@ def default_launch_config(rows_per_layer: int, head_dim: int) -> tuple[int, int]
     return block_rows, num_warps
 
 
+def cache_view(cache: torch.Tensor, cache_dims: Sequence[int]) -> torch.Tensor:
+    """The [batch, slots_per_batch, num_kv_heads, head_dim] view of a cache buffer: `cache_dims` names the
+    buffer's dims in that order, with batch -1 for a buffer without one ([slots, H, D] in some order)."""
+    if cache_dims[0] == -1:
+        return cache.permute(list(cache_dims[1:])).unsqueeze(0)
+    return cache.permute(list(cache_dims))
+
+
 class CacheWrite(NamedTuple):
     """Where the kernel writes K and V instead of k_out / v_out: each layer's own caches.
 
-    k_caches, v_caches  n_layers tensors each, [batch, slots_per_batch, num_kv_heads, head_dim] (views of
-                        the caches, any strides, one shape, stride set and dtype for all): kv's dtype, or an
+    k_caches, v_caches  n_layers tensors each (the caches themselves, passed to the kernel as they are),
+                        read through `cache_view(cache, cache_dims)` as [batch, slots_per_batch, num_kv_heads,
+                        head_dim], any strides, one shape, stride set and dtype for all: kv's dtype, or an
                         FP8 dtype with a scale
+    cache_dims          the caches' dims for (batch, slot, head, head_dim); batch -1 for [slots, H, D] caches
     slots               [total_ctx] int32/int64: token t goes to slot s = slots[t], i.e. cache[s // slots_per_batch,
                         s % slots_per_batch]; a slot outside [0, batch * slots_per_batch) (-1: padding) is skipped
     k_scale, v_scale    one-element float tensors or None: the value written is then k / scale, from K in
@@ -371,6 +381,7 @@ class CacheWrite(NamedTuple):
 
     k_caches: Sequence[torch.Tensor]
     v_caches: Sequence[torch.Tensor]
+    cache_dims: Sequence[int]
     slots: torch.Tensor
     k_scale: torch.Tensor | None
     v_scale: torch.Tensor | None
@@ -505,7 +516,8 @@ def launch_fused_kv_materialize(
             v_out = v_out if copy_v else k_out
             launch(0, n_layers, [k_out], [v_out], (*k_out.stride(), *v_out.stride()), (0, 0, 0, 0, 0))
             return
-        k_cache, v_cache = cache.k_caches[0], cache.v_caches[0] if copy_v else cache.k_caches[0]
+        k_cache = cache_view(cache.k_caches[0], cache.cache_dims)
+        v_cache = cache_view(cache.v_caches[0] if copy_v else cache.k_caches[0], cache.cache_dims)
         batch, per_batch = k_cache.shape[:2]
         k_batch, k_slot, k_head, k_dim = k_cache.stride()
         v_batch, v_slot, v_head, v_dim = v_cache.stride()
@@ -629,7 +641,7 @@ def write_caches_torch(k: torch.Tensor, v: torch.Tensor, cache: CacheWrite) -> N
     """The kernel's cache write in PyTorch: k, v [n_layers, total_ctx, H, D] (kv's dtype; k in float32 when
     scaled) into each layer's [batch, slots_per_batch, H, D] cache view at the tokens' slots (other slots
     skipped), divided by the scale in float32 when there is one."""
-    batch, per_batch = cache.k_caches[0].shape[:2]
+    batch, per_batch = cache_view(cache.k_caches[0], cache.cache_dims).shape[:2]
     slots = cache.slots.long()
     valid = (slots >= 0) & (slots < batch * per_batch)
     rows = (slots[valid] // per_batch, slots[valid] % per_batch)
@@ -638,5 +650,5 @@ def write_caches_torch(k: torch.Tensor, v: torch.Tensor, cache: CacheWrite) -> N
             value = values[layer][valid]
             if scale is not None:
                 value = value.float() / scale.float().reshape(())
-            target.index_put_(rows, value.to(target.dtype))
+            cache_view(target, cache.cache_dims).index_put_(rows, value.to(target.dtype))
 

@@ -49,6 +49,7 @@ import torch
 
 from .fused_kv_materialize import (
     CacheWrite,
+    cache_view,
     fused_kv_materialize_torch,
     launch_fused_kv_materialize,
     materialized_k_torch,
@@ -360,14 +361,6 @@ def check_positions_in_cache(positions: torch.Tensor, cache_rows: int) -> None:
         )
 
 
-def cache_view(cache: torch.Tensor, cache_dims: Sequence[int]) -> torch.Tensor:
-    """The [batch, slots_per_batch, num_kv_heads, head_dim] view of a cache buffer: `cache_dims` names the
-    buffer's dims in that order, with batch -1 for a buffer without one ([slots, H, D] in some order)."""
-    if cache_dims[0] == -1:
-        return cache.permute(list(cache_dims[1:])).unsqueeze(0)
-    return cache.permute(list(cache_dims))
-
-
 def _check_cache_dims(cache: torch.Tensor, cache_dims: Sequence[int]) -> None:
     dims = list(cache_dims)
     named = dims[1:] if len(dims) == 4 and dims[0] == -1 else dims
@@ -578,8 +571,7 @@ def _cache_write(args: tuple) -> tuple[tuple, torch.Tensor, CacheWrite]:
     validate_cache_write(
         c.k_proj, v_proj, c.num_kv_heads, c.head_dim, k_caches, v_caches, slots, cache_dims, k_scale, v_scale
     )
-    views = ([cache_view(x, cache_dims) for x in caches] for caches in (k_caches, v_caches))
-    return common, v_proj, CacheWrite(*views, slots, k_scale, v_scale)
+    return common, v_proj, CacheWrite(list(k_caches), list(v_caches), list(cache_dims), slots, k_scale, v_scale)
 
 
 def _materialize_kv_to_cache(backend, *args) -> None:
@@ -608,6 +600,24 @@ def materialize_k_body(*args, **kwargs) -> torch.Tensor:
         c.norm_round_before_rope, traceable=True,
     )  # fmt: skip
     return k_out
+
+
+def materialize_kv_to_cache_body(*args) -> None:
+    """What `fx_fusion.op_lowering` traces in place of a (functionalised) materialize_kv_to_cache call on
+    CUDA: the Triton kernel launched through `torch.library.wrap_triton`, writing the caches given (Inductor
+    then re-inplaces them into the graph's own caches and launches the kernel from its generated code).
+    Off CUDA the op call stays (NotImplementedError): its PyTorch math skips padding slots with a boolean
+    mask, which has no static shape."""
+    common, v_proj, cache = _cache_write(args)
+    c = CommonArgs(*common)
+    if not c.k_proj.is_cuda:
+        raise NotImplementedError("the cache write is traced on CUDA only")
+    norm_weight = _stacked_norm_weight(c.k_norm_weight, c.k_proj.shape[1], c.head_dim)
+    launch_fused_kv_materialize(
+        c.k_proj, v_proj, norm_weight, c.eps, c.eps_value, c.cos, c.sin, c.positions, None, None,
+        c.num_kv_heads, c.head_dim, c.rotary_dim, c.interleaved, c.norm_weight_offset, c.norm_weight_in_float32,
+        c.norm_round_before_rope, cache=cache, traceable=True,
+    )  # fmt: skip
 
 
 # Defined with the low-level torch.library API (schemas, per-device implementations, fake kernels): the

@@ -260,9 +260,10 @@ def test_pass_absorbs_cache_writes(spelling: str, device: str, dtype: torch.dtyp
     assert _count(after, torch.ops.higher_order.auto_functionalized_v2) == 1
     for i, (a, e, ref) in enumerate(zip(actual, expected, eager)):
         assert torch.equal(a == SENTINEL, e == SENTINEL), f"cache {i}: other rows written than the plain graph writes"
-        if i % 2:  # V: the projection itself, bit for bit
+        if i % 2 and device == "cpu":  # V: the same projection GEMM, bit for bit
             assert torch.equal(a, e)
-        else:  # K: the op's rounding (fused_kv_pass's docstring), within an ulp of the head's largest element
+        else:  # K: the op's rounding (fused_kv_pass's docstring), within an ulp of the head's largest element;
+            # V on CUDA: the grouped GEMM sums in another order than cuBLAS
             written = e != SENTINEL
             ulp = 1e-6 if dtype == torch.float32 else 2**-8
             atol = 4 * ulp * e[written].abs().max().item()
