@@ -128,7 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--caches", default="bf16,fp8", help="bf16, fp8 or both")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--device", default="cuda", help="cuda (a cpu run only checks the script: small preset)")
+    parser.add_argument("--plot", nargs="+", metavar="JSON", help="only plot these results into --out/bench_draft_step.png")
     args = parser.parse_args(argv)
+    if args.plot:
+        rows = [row for path in args.plot for row in json.load(open(path))["rows"]]
+        print(plot(rows, os.path.join(args.out, "bench_draft_step.png")))
+        return 0
     device = torch.device(args.device)
     preset = "realistic" if device.type == "cuda" else "small"
     seq_lens = [int(t) for t in (args.seq_lens or ("1,1024,8192" if args.quick else "1,16,128,1024,8192")).split(",")]
@@ -209,6 +214,36 @@ def markdown(rows: list[dict], meta: dict) -> str:
                          + f" | {floor_text} | {ratio} | {speedup} | {absorbed} |")  # fmt: skip
         lines.append("")
     return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> str:
+    """Time per call against T, log-log, one panel per (cache, part): solid CUDA-graphed, dashed plain,
+    black the floor (context). Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["cache"], r["part"]) for r in rows}, key=lambda p: (p[1], p[0]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    colors = {"inductor": "tab:blue", "frozen": "tab:orange", "sglang": "tab:green", "fx_fusion": "tab:red"}
+    for ax, (cache, part) in zip(axes[0], panels):
+        mine = sorted((r for r in rows if (r["cache"], r["part"]) == (cache, part)), key=lambda r: r["T"])
+        for column, color in colors.items():
+            for key, style in (("graph", "-"), ("plain", "--")):
+                points = [(r["T"], r[column][key]) for r in mine if key in r.get(column, {})]
+                if points:
+                    label = column + ("" if key == "graph" else ", no graph")
+                    ax.plot(*zip(*points), style, color=color, marker="o", label=label)
+        floor = [(r["T"], r["floor"]["us"]) for r in mine if "floor" in r]
+        if floor:
+            ax.plot(*zip(*floor), "k-", label="floor")
+        ax.set(xscale="log", yscale="log", xlabel="context tokens T", ylabel="us per call", title=f"{part}, {cache} caches")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
 
 
 if __name__ == "__main__":

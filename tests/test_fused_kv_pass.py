@@ -531,7 +531,7 @@ def test_untraceable_op_body_keeps_the_op_call_with_its_reason(monkeypatch):
         raise RuntimeError("cannot trace this")
 
     monkeypatch.setattr(
-        fx_fusion.op_lowering, "_bodies", lambda: {torch.ops.fx_fusion.materialize_k.default: broken_body}
+        fx_fusion.op_lowering, "_bodies", lambda: {torch.ops.fx_fusion.materialize_k.default: (broken_body, frozenset())}
     )
     module = drafts.qwen3_context_kv(3)
     inputs = drafts.example_inputs(module, seq_len=5)
