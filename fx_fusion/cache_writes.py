@@ -80,8 +80,13 @@ def _hint(size) -> int:
 
 
 def _concrete(value):
+    """A view op's argument at its hint: sizes that are graph nodes (symbolic) become their hinted ints."""
     if isinstance(value, (list, tuple)):
         return type(value)(_concrete(v) for v in value)
+    if isinstance(value, torch.fx.Node):
+        value = value.meta.get("val")
+        if not isinstance(value, (int, torch.SymInt)):
+            raise NoMatch("a view in a cache write's chain takes a tensor argument")
     return _hint(value) if isinstance(value, torch.SymInt) else value
 
 
@@ -174,7 +179,9 @@ def _layout(write: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, list, l
         cache, _, dim, start, end = write.args[:5]
         shape = _shape(cache)
         dim = dim % len(shape)
-        count = min(_hint(end), shape[dim]) - _hint(start)
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < min(end, shape[dim])):
+            raise NoMatch("a cache write copies into a slice whose bounds are not fixed numbers")
+        count = min(end, shape[dim]) - start
         return cache, cache, [("range", start, count)], shape[:dim] + [count] + shape[dim + 1 :], dim
     written, indices = write.args[0], list(write.args[1])
     present = [i for i, index in enumerate(indices) if index is not None]
@@ -199,6 +206,8 @@ def parse_write(chain: list[torch.fx.Node], write: torch.fx.Node, decode, n_toke
     """Establish where `write` puts each element of the chain's root (module docstring); NoMatch if not
     exactly the op's cache write. `decode(labels)` -> (member, token, head, element) arrays."""
     cache, written, indices, region, axis = _layout(write)
+    if any(isinstance(size, torch.SymInt) for size in val(written).shape):
+        raise NoMatch("a cache of dynamic shape")  # its sizes become constants of the op's slots
     labels = torch.arange(math.prod(_shape(chain[0]))).view(_shape(chain[0]))
     value, scale = _replay(chain, labels)
     try:

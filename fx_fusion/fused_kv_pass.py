@@ -339,9 +339,6 @@ def fuse_kv_groups(graph: torch.fx.Graph, min_layers: int = 2, stack_weights_in_
 def _explain_plain_projections(entry: dict, fused: set, record: PassRecord) -> None:
     """Give a reason for every unfused projection that has a same-width sibling on the same input (a
     layer's K or V that a user may expect to see fused), unless its K branch was already reported."""
-    locations = {node_location(p.node) for p in entry["projections"]}
-    if not entry["branches"] and not any(r.location in locations for r in record.rejected):
-        return  # no projection of this input looked like K at all (an MLP's gate and up)
     reported = {b.projection.node for b in entry["branches"]}
     widths = collections.Counter(p.out_features for p in entry["projections"])
     for projection in entry["projections"]:

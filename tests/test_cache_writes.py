@@ -178,11 +178,11 @@ def _write(spelling: str, cache: torch.Tensor, value: torch.Tensor, cache_positi
 
 
 def _cache_shape(spelling: str, batch: int, H: int, D: int) -> tuple:
-    if spelling.startswith("static") or spelling == "slice_copy":
-        return (batch, H, MAX_LEN, D)
+    if spelling in ("flat_pool", "index_put_"):
+        return (MAX_LEN, H, D)
     if spelling.startswith("paged"):
         return (MAX_LEN // BLOCK, BLOCK, H, D)
-    return (MAX_LEN, H, D)
+    return (batch, H, MAX_LEN, D)  # StaticCache's layout
 
 
 class CachedContext(torch.nn.Module):
@@ -367,3 +367,76 @@ def test_compiled_generate_with_a_static_cache_matches_eager(fresh_compile) -> N
     assert torch.equal(actual, expected)
     notes = [g.cache_writes for r in records for g in r.fused_groups]
     assert notes and all("query heads" in n for n in notes), notes
+
+
+@pytest.mark.parametrize("spelling", ["static", "slice_copy"])
+def test_pass_with_dynamic_token_counts(spelling: str, fresh_compile) -> None:
+    """dynamic=True: every T gives eager's caches; a slice whose bounds follow T stays as written."""
+    module = CachedContext(spelling, torch.float32, torch.float32)
+    compiled = torch.compile(module, backend="fx_fusion", dynamic=True, fullgraph=True)
+    records: list = []
+    for tokens in (3, 6):
+        inputs = _inputs(module, tokens=tokens)
+        expected, _ = _run(module, "eager", inputs)
+        for cache in module.caches():
+            cache.fill_(SENTINEL)
+        with torch.no_grad(), RecordSink.collect(records):
+            compiled(*inputs)
+        for a, e in zip(module.caches(), expected):
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+    notes = [g.cache_writes for r in records for g in r.fused_groups]
+    if spelling == "static":
+        assert notes and all(n.startswith("K and V of 3 layers written straight") for n in notes), notes
+    else:
+        assert notes and all("bounds are not fixed numbers" in n for n in notes), notes
+
+
+class Adversarial(CachedContext):
+    """Writes that look like the plain ones but put values elsewhere: the caches must still equal eager's."""
+
+    def forward(self, hidden, position_ids, cache_position, slots):
+        outputs = self.context(hidden, position_ids)
+        caches = self.caches()
+        n = len(caches)
+        if self.spelling == "swapped":  # layer l's K into the last layer's V cache, and so on
+            for i, value in enumerate(outputs):
+                caches[n - 1 - i].index_copy_(2, cache_position, value)
+        elif self.spelling == "int32_index":
+            for cache, value in zip(caches, outputs):
+                cache[:, :, cache_position.to(torch.int32)] = value
+        elif self.spelling == "heads_swapped":  # a cache laid out [B, max_len, H, D], heads written reversed
+            for cache, value in zip(caches, outputs):
+                cache.transpose(1, 2)[:, cache_position] = value.flip(1).transpose(1, 2)
+        elif self.spelling == "tokens_reversed":
+            for cache, value in zip(caches, outputs):
+                cache.index_copy_(2, cache_position, value.flip(2))
+        elif self.spelling == "one_buffer":  # K and V of a layer in one [2, B, H, max_len, D] buffer
+            for i in range(0, n, 2):
+                both = torch.stack([caches[i], caches[i + 1]])
+                both[0].index_copy_(2, cache_position, outputs[i])
+                both[1].index_copy_(2, cache_position, outputs[i + 1])
+                caches[i].copy_(both[0])
+                caches[i + 1].copy_(both[1])
+        return caches[0].sum()
+
+
+ADVERSARIAL = {  # spelling: absorbed?
+    "swapped": True,
+    "int32_index": True,
+    "heads_swapped": False,
+    "tokens_reversed": False,
+    "one_buffer": False,
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(ADVERSARIAL))
+def test_pass_never_misplaces_a_cache_write(spelling: str, fresh_compile) -> None:
+    module = Adversarial(spelling, torch.float32, torch.float32)
+    inputs = _inputs(module, tokens=4)
+    expected, _ = _run(module, "eager", inputs)
+    actual, records = _run(module, "fx_fusion", inputs)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+    notes = [g.cache_writes for r in records for g in r.fused_groups]
+    absorbed = any(n.startswith("K and V of 3 layers written straight") for n in notes)
+    assert absorbed == ADVERSARIAL[spelling], notes

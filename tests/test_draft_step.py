@@ -113,9 +113,10 @@ def test_compiled_steps_match_eager(backend, dtype):
             assert (cache[:, :, ctx_end:] == SENTINEL).all()
     if backend == "fx_fusion":
         (record,) = records  # one graph: the step compiled once, no graph break, no recompile
-        context_groups = [g for g in record.fused_groups if any("_write_context" in loc for loc in g.layers)]
+        context_groups = [g for g in record.fused_groups if any("in write_context" in loc for loc in g.layers)]
         assert len(context_groups) == 1, record.summary()
         (group,) = context_groups
-        assert all("_write_context" in loc for loc in group.layers), group.layers
+        assert all("in write_context" in loc for loc in group.layers), group.layers
         assert [loc.split()[0] for loc in group.layers] == [f"layers.{i}.self_attn.k_proj" for i in range(N_LAYERS)]
         assert group.n_layers == N_LAYERS and group.k_norm and group.v_as_view == N_LAYERS
+        assert group.cache_writes.startswith(f"K and V of {N_LAYERS} layers written straight into their caches")

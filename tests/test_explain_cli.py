@@ -307,7 +307,8 @@ def test_cli_demo_small_cpu():
     assert "Fused groups:" in result.stdout
     # the context K/V of both layers: one group, its cache writes absorbed (each layer's Q and K: a group too)
     assert "K and V of 2 layers written straight into their caches: 4 cache writes absorbed" in result.stdout
-    assert "Rejected candidates:" not in result.stdout  # the MLPs' projections are not mistaken for K
+    # the MLPs' gate and up projections are plain linears (no rotary embedding), never a "K not rotated"
+    assert "not rotated" not in result.stdout and "left as a plain linear: no rotary embedding" in result.stdout
     assert "PASS" in result.stdout and "FAIL" not in result.stdout
 
 
