@@ -202,7 +202,7 @@ def _layout(write: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, list, l
     return cache, written, [indices[i] for i in present], region, axis
 
 
-def parse_write(chain: list[torch.fx.Node], write: torch.fx.Node, decode, n_tokens: int, heads: int, head_dim: int) -> Write:
+def _parse_write(chain: list[torch.fx.Node], write: torch.fx.Node, decode, n_tokens: int, heads: int, head_dim: int) -> Write:
     """Establish where `write` puts each element of the chain's root (module docstring); NoMatch if not
     exactly the op's cache write. `decode(labels)` -> (member, token, head, element) arrays."""
     cache, written, indices, region, axis = _layout(write)
@@ -324,13 +324,13 @@ def plan(k_all: torch.fx.Node, proj: torch.fx.Node) -> Optional[tuple[list[Write
     if k_others:
         raise NoMatch(f"a layer's K is also read by {k_others[0].name}")
     layers, tokens, heads, head_dim = _shape(k_all)
-    k_writes = sorted((parse_write(c, w, _k_decoder(k_all), tokens, heads, head_dim) for c, w in k_paths), key=lambda w: w.member)
+    k_writes = sorted((_parse_write(c, w, _k_decoder(k_all), tokens, heads, head_dim) for c, w in k_paths), key=lambda w: w.member)
     if [w.member for w in k_writes] != list(range(layers)):
         raise NoMatch("not every layer's K is written to a cache exactly once")
     v_paths, v_others = _chains(proj, _path_from(proj, k_all.args[0]))
     if v_others:
         raise NoMatch(f"a layer's V is also read by {v_others[0].name}")
-    v_writes = sorted((parse_write(c, w, _v_decoder(proj, head_dim), tokens, heads, head_dim) for c, w in v_paths), key=lambda w: w.member)
+    v_writes = sorted((_parse_write(c, w, _v_decoder(proj, head_dim), tokens, heads, head_dim) for c, w in v_paths), key=lambda w: w.member)
     if len(v_writes) != layers:
         raise NoMatch(f"{len(v_writes)} V projections of the group are written to caches, expected {layers}")
     same_value = ValueKeys()
