@@ -43,6 +43,10 @@ a shared table as one with layer stride 0), or from a cache indexed by `position
 j = i % (r/2) for neox and i // 2 for interleaved). Positions are clamped into [0, max_pos - 1], so the
 kernel never reads outside the cache.
 
+Instead of k_out / v_out the kernel can write each layer's own KV caches (`CacheWrite`): token t of layer l
+goes to slot slots[t] of k_caches[l] / v_caches[l] (slots outside the cache skipped), optionally as
+k / scale converted once to an FP8 cache dtype.
+
 This module holds the Triton kernel, its launcher and a plain-PyTorch implementation of the same math
 (used for CPU tensors). Both write into caller-provided outputs and allocate nothing else; argument
 validation lives in `ops.py`.

@@ -29,6 +29,12 @@ Ops (namespace `fx_fusion`), all backed by one kernel (`fused_kv_materialize.py`
                                                             [total_ctx, n_layers, num_kv_heads, head_dim]
     materialize_kv(<common>, v_proj) -> (k_out, v_out)          v_proj: k_proj's shape (3-D or 4-D), any strides
     materialize_kv_out(<common>, v_proj, k_out, v_out) -> None  writes k_out, v_out in place
+    materialize_kv_to_cache(<common>, v_proj, k_caches, v_caches, slots, cache_dims, k_scale, v_scale) -> None
+        writes layer l's K and V into k_caches[l], v_caches[l] (mutated in place; any layout, named by
+        cache_dims = the caches' dims for (batch, slot, head, head_dim), batch -1 for [slots, H, D] ones) at
+        each token's slot s = slots[t] (cache[s // slots_per_batch, s % slots_per_batch]; slots outside the
+        cache, e.g. -1, are skipped); FP8 caches (float8_e4m3fn / e5m2) need one-element scales: k / k_scale
+        from float32 K, v / v_scale, converted once (fused_kv_materialize.CacheWrite)
 
 k_out, v_out: [n_layers, total_ctx, num_kv_heads, head_dim] in k_proj's dtype (fresh and contiguous from the
 functional ops; any strides for the out= op). On CUDA the Triton kernel runs; on CPU the PyTorch
