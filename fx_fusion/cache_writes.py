@@ -39,6 +39,7 @@ from typing import Optional
 
 import torch
 import torch.fx
+from torch._inductor.pattern_matcher import stable_topological_sort
 
 from . import op_lowering
 from .kv_patterns import NoMatch, depends_on, val
@@ -313,14 +314,10 @@ def _check_alike(writes: list[Write], what: str, same_value: ValueKeys) -> None:
             raise NoMatch(f"the {what} caches differ in shape, strides or dtype")
 
 
-def plan(k_all: torch.fx.Node, proj: torch.fx.Node) -> Optional[tuple[list[Write], list[Write]]]:
+def plan(k_all: torch.fx.Node, proj: torch.fx.Node, k_paths: list, k_others: list) -> tuple[list[Write], list[Write]]:
     """(K writes by block, V writes by column) when every layer's K and V of the group is written to a cache
-    exactly as the op writes it; None when the group's K is not written to any cache; NoMatch otherwise."""
-    k_paths, k_others = _chains(k_all, set())
-    if not k_paths:
-        return None
-    if k_all.kwargs.get("token_major"):
-        raise NoMatch("the group also holds query heads, which are not cached")
+    exactly as the op writes it (`k_paths`, `k_others`: `_chains(k_all)`, which found writes); NoMatch
+    otherwise."""
     if k_others:
         raise NoMatch(f"a layer's K is also read by {k_others[0].name}")
     layers, tokens, heads, head_dim = _shape(k_all)
@@ -395,10 +392,14 @@ def _scale(builder, writes: list[Write], device) -> Optional[torch.fx.Node]:
 def absorb(graph: torch.fx.Graph, builder, k_all: torch.fx.Node, proj: torch.fx.Node) -> str:
     """Rewrite the cache writes of a fused group (module docstring); returns what was absorbed, '' when the
     group's K is not written to a cache. NoMatch (graph unchanged) when they cannot be absorbed exactly."""
-    planned = plan(k_all, proj)
-    if planned is None:
+    k_paths, k_others = _chains(k_all, set())
+    if not k_paths:
         return ""
-    k_writes, v_writes = planned
+    if k_all.kwargs.get("token_major"):
+        raise NoMatch("the group also holds query heads, which are not cached")
+    stable_topological_sort(graph)  # the group's users after its new nodes; then drop the replaced branches,
+    graph.eliminate_dead_code()  # which still read the projections (V's readers are counted below)
+    k_writes, v_writes = plan(k_all, proj, k_paths, k_others)
     writes = k_writes + v_writes
     spec = k_writes[0].slots
     inputs = [*k_all.all_input_nodes, proj, *(w.cache for w in writes), *(w.scale for w in writes if w.scale is not None)]

@@ -35,7 +35,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
-from .drafts import PRESETS, _init_weights_
+from .drafts import PRESETS, _init_weights_, qwen3_style_config
 
 __all__ = ["DraftStep", "LayerCache", "draft_step_inputs", "qwen3_draft_step"]
 
@@ -204,18 +204,10 @@ def qwen3_draft_step(
     [batch_size, H_kv, max_len, D] buffers. The same arguments give the same weights (on the same device).
     """
     shape = PRESETS[preset]
-    config = Qwen3Config(
-        hidden_size=shape["hidden_size"],
-        intermediate_size=3 * shape["hidden_size"],
-        num_hidden_layers=n_layers,
-        num_attention_heads=shape["num_attention_heads"],
-        num_key_value_heads=shape["num_kv_heads"],
-        head_dim=shape["head_dim"],
-        max_position_embeddings=shape["max_position_embeddings"],
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        vocab_size=128,
-    )
+    config = qwen3_style_config(
+        Qwen3Config, shape, n_layers, intermediate_size=3 * shape["hidden_size"], rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+    )  # fmt: skip
     device = torch.device(device)
     # Built on the meta device (no wasted CPU init of realistic weights), then allocated on `device`.
     with torch.device("meta"):

@@ -121,6 +121,26 @@ class ContextKV(nn.Module):
 # Factories
 
 
+def qwen3_style_config(
+    config_class, shape: dict, n_layers: int, intermediate_size: int, rms_norm_eps: float, rope_theta: float,
+    attention_bias: bool = False,
+):  # fmt: skip
+    """A Hugging Face config (`config_class`: Qwen3Config, LlamaConfig) of `shape` (a PRESETS entry)."""
+    return config_class(
+        hidden_size=shape["hidden_size"],
+        intermediate_size=intermediate_size,
+        num_hidden_layers=n_layers,
+        num_attention_heads=shape["num_attention_heads"],
+        num_key_value_heads=shape["num_kv_heads"],
+        head_dim=shape["head_dim"],
+        max_position_embeddings=shape["max_position_embeddings"],
+        rms_norm_eps=rms_norm_eps,
+        attention_bias=attention_bias,
+        rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)},
+        vocab_size=128,
+    )
+
+
 def _init_weights_(module: nn.Module, seed: int, device: torch.device, dtype: torch.dtype) -> None:
     """Random, non-trivial, deterministic init of every parameter (generated in fp32, then cast)."""
     gen = torch.Generator(device=device)
@@ -181,19 +201,10 @@ def _build(
     if shape["num_attention_heads"] % shape["num_kv_heads"]:
         raise ValueError("num_attention_heads must be a multiple of num_kv_heads")
 
-    config = Config(
-        hidden_size=shape["hidden_size"],
-        intermediate_size=4 * shape["hidden_size"],
-        num_hidden_layers=n_layers,
-        num_attention_heads=shape["num_attention_heads"],
-        num_key_value_heads=shape["num_kv_heads"],
-        head_dim=shape["head_dim"],
-        max_position_embeddings=shape["max_position_embeddings"],
-        rms_norm_eps=rms_norm_eps,
-        attention_bias=attention_bias,
-        rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)},
-        vocab_size=128,
-    )
+    config = qwen3_style_config(
+        Config, shape, n_layers, intermediate_size=4 * shape["hidden_size"], rms_norm_eps=rms_norm_eps,
+        rope_theta=rope_theta, attention_bias=attention_bias,
+    )  # fmt: skip
     device = torch.device(device)
     # Build on the meta device (no wasted CPU init of realistic weights), then allocate on `device`.
     with torch.device("meta"):

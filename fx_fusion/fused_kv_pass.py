@@ -678,8 +678,6 @@ def _rewrite_group(
     for old, new in new_outputs + pieces:
         old.replace_all_uses_with(new)
     cache_builder = _GraphBuilder(graph, fake_mode)
-    stable_topological_sort(graph)  # the group's users follow its new nodes; then drop the replaced
-    graph.eliminate_dead_code()  # branches, which still read the projections
     try:
         cache_note = cache_writes.absorb(graph, cache_builder, k_all, proj)
     except Exception as error:  # the group stays fused; its cache writes stay as written

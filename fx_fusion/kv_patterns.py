@@ -237,12 +237,12 @@ def base_of(node: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
-def follow_layout(node: torch.fx.Node) -> tuple[list[torch.fx.Node], torch.fx.Node]:
-    """Walk forward through single-user layout ops; return them and the last node reached."""
+def follow_layout(node: torch.fx.Node, ops=LAYOUT_OPS) -> tuple[list[torch.fx.Node], torch.fx.Node]:
+    """Walk forward through single-user layout ops (`ops`); return them and the last node reached."""
     chain = []
     while len(node.users) == 1:
         (user,) = node.users
-        if not is_call(user, *LAYOUT_OPS) or user.args[0] is not node:
+        if not is_call(user, *ops) or user.args[0] is not node:
             break
         chain.append(user)
         node = user
@@ -819,13 +819,7 @@ def _permuted_cuts(projection: Projection, node: torch.fx.Node, prefix: list) ->
     """Strided sources (BranchSource docstring): `node` viewed and permuted, then cut along one axis but
     the last (litgpt: `qkv.view(B, T, G, q + 2, hs).permute(0, 2, 3, 1, 4).split((q, 1, 1), dim=2)`);
     a piece whose elements are not whole heads at evenly spaced columns is no source."""
-    chain, current = [], node
-    while len(current.users) == 1:
-        (user,) = current.users
-        if not is_call(user, *_CHAIN_OPS) or user.args[0] is not current:
-            break
-        chain.append(user)
-        current = user
+    chain, current = follow_layout(node, _CHAIN_OPS)
     if not any(is_call(n, aten.permute.default, aten.transpose.int) for n in chain):
         return None
     shape = static_shape(current)
