@@ -360,6 +360,9 @@ def default_launch_config(rows_per_layer: int, head_dim: int) -> tuple[int, int]
     return block_rows, num_warps
 
 
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def cache_view(cache: torch.Tensor, cache_dims: Sequence[int]) -> torch.Tensor:
     """The [batch, slots_per_batch, num_kv_heads, head_dim] view of a cache buffer: `cache_dims` names the
     buffer's dims in that order, with batch -1 for a buffer without one ([slots, H, D] in some order)."""
@@ -644,15 +647,29 @@ def fused_kv_materialize_torch(
 def write_caches_torch(k: torch.Tensor, v: torch.Tensor, cache: CacheWrite) -> None:
     """The kernel's cache write in PyTorch: k, v [n_layers, total_ctx, H, D] (kv's dtype; k in float32 when
     scaled) into each layer's [batch, slots_per_batch, H, D] cache view at the tokens' slots (other slots
-    skipped), divided by the scale in float32 when there is one."""
+    skipped), divided by the scale in float32 when there is one.
+
+    Every shape is static, so Inductor compiles it (C++ on CPU): a token whose slot lies outside the cache is
+    written, instead, where the first in-cache token goes and with that token's value (when no token is in
+    the cache: at slot 0 with what slot 0 holds), which leaves the cache exactly as skipping it would."""
     batch, per_batch = cache_view(cache.k_caches[0], cache.cache_dims).shape[:2]
     slots = cache.slots.long()
     valid = (slots >= 0) & (slots < batch * per_batch)
-    rows = (slots[valid] // per_batch, slots[valid] % per_batch)
+    any_valid = valid.any()
+    first_valid = torch.argmax(valid.to(torch.int32)).reshape(1)  # a tensor index: no host sync
+    stand_in = torch.where(any_valid, slots[first_valid], 0)  # [1]
+    target = torch.where(valid, slots, stand_in)
+    rows, stand_in_row = (target // per_batch, target % per_batch), (stand_in // per_batch, stand_in % per_batch)
     for values, caches, scale in ((k, cache.k_caches, cache.k_scale), (v, cache.v_caches, cache.v_scale)):
-        for layer, target in enumerate(caches):
-            value = values[layer][valid]
+        for layer, target_cache in enumerate(caches):
+            view = cache_view(target_cache, cache.cache_dims)
+            value = values[layer]
             if scale is not None:
                 value = value.float() / scale.float().reshape(())
-            cache_view(target, cache.cache_dims).index_put_(rows, value.to(target.dtype))
-
+            # select before converting: Inductor selects no FP8 values; FP8 -> float32 -> FP8 is exact
+            work = torch.float32 if view.dtype in FP8_CACHE_DTYPES else torch.promote_types(value.dtype, view.dtype)
+            value = value.to(work)
+            held = view[stand_in_row].to(work)
+            filler = torch.where(any_valid, value[first_valid], held)  # [1, H, D]
+            value = torch.where(valid[:, None, None], value, filler)
+            view.index_put_(rows, value.to(view.dtype))

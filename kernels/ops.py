@@ -54,6 +54,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from .fused_kv_materialize import (
+    FP8_CACHE_DTYPES,
     CacheWrite,
     cache_view,
     fused_kv_materialize_torch,
@@ -62,7 +63,6 @@ from .fused_kv_materialize import (
 )
 
 SUPPORTED_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SUPPORTED_POSITION_DTYPES = (torch.int32, torch.int64)
 
 
@@ -609,21 +609,22 @@ def materialize_k_body(*args, **kwargs) -> torch.Tensor:
 
 
 def materialize_kv_to_cache_body(*args) -> None:
-    """What `fx_fusion.op_lowering` traces in place of a (functionalised) materialize_kv_to_cache call on
-    CUDA: the Triton kernel launched through `torch.library.wrap_triton`, writing the caches given (Inductor
-    then re-inplaces them into the graph's own caches and launches the kernel from its generated code).
-    Off CUDA the op call stays (NotImplementedError): its PyTorch math skips padding slots with a boolean
-    mask, which has no static shape."""
+    """What `fx_fusion.op_lowering` traces in place of a (functionalised) materialize_kv_to_cache call, writing
+    the caches given (Inductor then re-inplaces them into the graph's own caches): on CUDA the Triton kernel
+    launched through `torch.library.wrap_triton` (Inductor launches it from its generated code), elsewhere
+    the same math in PyTorch ops with static shapes (Inductor compiles it with the rest of the graph)."""
     common, v_proj, cache = _cache_write(args)
     c = CommonArgs(*common)
-    if not c.k_proj.is_cuda:
-        raise NotImplementedError("the cache write is traced on CUDA only")
     norm_weight = _stacked_norm_weight(c.k_norm_weight, c.k_proj.shape[1], c.head_dim)
-    launch_fused_kv_materialize(
+    arguments = (
         c.k_proj, v_proj, norm_weight, c.eps, c.eps_value, c.cos, c.sin, c.positions, None, None,
         c.num_kv_heads, c.head_dim, c.rotary_dim, c.interleaved, c.norm_weight_offset, c.norm_weight_in_float32,
-        c.norm_round_before_rope, cache=cache, traceable=True,
+        c.norm_round_before_rope,
     )  # fmt: skip
+    if c.k_proj.is_cuda:
+        launch_fused_kv_materialize(*arguments, cache=cache, traceable=True)
+    else:
+        fused_kv_materialize_torch(*arguments, cache=cache)
 
 
 # Defined with the low-level torch.library API (schemas, per-device implementations, fake kernels): the

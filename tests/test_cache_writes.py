@@ -107,6 +107,19 @@ def test_op_fp8_is_the_float32_quotient_converted_once(device: str) -> None:
         assert torch.equal(v_caches[layer][slots].view(torch.uint8), expected_v.view(torch.uint8))
 
 
+def test_op_with_only_padding_slots_writes_nothing(device: str) -> None:
+    """Every slot -1 or past the cache: no slot is written (the PyTorch math's stand-in write, which keeps the
+    shapes static, puts back what slot 0 holds)."""
+    case = Case(total_ctx=4, n_layers=2, num_kv_heads=2, head_dim=64, rope="per_token", dtype=torch.float32)
+    inputs = make_inputs(case, device)
+    caches = [torch.randn(8, 2, 64, device=device) for _ in range(4)]
+    before = [c.clone() for c in caches]
+    slots = torch.tensor([-1, 8, -1, 100], device=device)
+    OPS.materialize_kv_to_cache(*inputs.common(case), inputs.v_proj(case), caches[:2], caches[2:], slots, [-1, 0, 1, 2], None, None)
+    for cache, held in zip(caches, before):
+        assert torch.equal(cache, held)
+
+
 def _op_args(**change):
     case = Case(total_ctx=4, n_layers=2, num_kv_heads=2, head_dim=64, rope="per_token")
     inputs = make_inputs(case)
@@ -285,6 +298,30 @@ def test_pass_absorbs_fp8_cache_writes(spelling: str, device: str, cache_dtype: 
     assert group.cache_writes.startswith("K and V of 3 layers written straight into their caches (FP8, scaled)")
     for i, (a, e) in enumerate(zip(actual, expected)):
         assert torch.equal(a.view(torch.uint8), e.view(torch.uint8)), f"cache {i} differs"
+
+
+@pytest.mark.parametrize("spelling, cache_dtype", [("static", torch.float32), ("paged_block_offset", torch.float32), ("flat_pool", torch.float8_e4m3fn)])
+def test_cpu_code_writes_the_caches_itself(spelling: str, cache_dtype: torch.dtype, fresh_compile) -> None:
+    """On a CPU the absorbed write is the op's math compiled by Inductor: no op call is left in the generated
+    code, and no cache is copied whole (the writes go in place)."""
+    from torch._inductor.utils import run_and_get_code
+
+    module = CachedContext(spelling, torch.float32, cache_dtype, scale=cache_dtype in FP8)
+    inputs = _inputs(module, tokens=5, slots=torch.tensor([3, -1, 7, 30, 12]))
+    expected, _ = _run(module, "inductor", inputs)
+    for cache in module.caches():
+        cache.fill_(SENTINEL)
+    compiled = torch.compile(module, backend="fx_fusion", fullgraph=True)
+    records: list = []
+    with torch.no_grad(), RecordSink.collect(records):
+        _, (code,) = run_and_get_code(compiled, *inputs)
+    assert records[0].fused_groups[0].cache_writes.startswith("K and V of 3 layers")
+    assert "torch.ops.fx_fusion" not in code and "aten.copy_" not in code
+    if spelling == "flat_pool":  # the plain index_put writes the padded token at the last slot: fused skips it
+        for a, e in zip(module.caches(), expected):
+            rows = torch.tensor([3, 7, 30, 12])
+            assert torch.equal(a[rows].view(torch.uint8), e[rows].view(torch.uint8))  # FP8: bit for bit
+            assert (a[-1].float() == SENTINEL).all()
 
 
 def test_pass_skips_padding_slots(fresh_compile) -> None:

@@ -74,8 +74,9 @@ def test_eager_step_matches_hf_decoder_layers():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     ctx_end = 2 * CTX_TOKENS
     for i in range(N_LAYERS):
-        torch.testing.assert_close(k_caches[i][:, :, :ctx_end], kv[2 * i], rtol=0, atol=0)
-        torch.testing.assert_close(v_caches[i][:, :, :ctx_end], kv[2 * i + 1], rtol=0, atol=0)
+        # one projection over both steps' tokens vs one per step: BLAS may round them differently
+        torch.testing.assert_close(k_caches[i][:, :, :ctx_end], kv[2 * i], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v_caches[i][:, :, :ctx_end], kv[2 * i + 1], rtol=1e-5, atol=1e-5)
         assert (k_caches[i][:, :, ctx_end:] == SENTINEL).all() and (v_caches[i][:, :, ctx_end:] == SENTINEL).all()
 
 
