@@ -58,7 +58,7 @@ _SUM = {aten.add.Tensor, aten.sub.Tensor}
 _REGION_OPS = _LAYOUT | _JOIN | _SUM | {aten.mul.Tensor, aten.neg.default}
 _VIEWS = {aten.view.default, aten._unsafe_view.default}  # evaluated as reshape: probe strides may differ
 _MAX_REGION = 256
-_MAX_CANDIDATES = 4096  # nodes reached through region ops before giving up on a region
+_MAX_DEPTH = 16  # region ops between K and a node of its rotation (a rotation takes about 10)
 
 
 NO_ROTATION = "no rotary embedding (K times cos plus rotated K times sin) on K"
@@ -144,41 +144,26 @@ def _region(start: torch.fx.Node) -> dict:
     """Nodes that depend on `start` only through region ops that keep the value bilinear in K and the
     tables, in graph order: node -> number of table factors in its terms (0 or 1).
 
-    Only nodes reached from `start` through region ops can qualify, so the walk stays near K (attention
-    is no region op); an input outside the region is checked for depending on `start` by walking its
-    ancestors back no further than `start` itself."""
+    Only nodes reached from `start` through at most _MAX_DEPTH region ops can qualify, so the walk stays
+    near K (attention is no region op; a residual stream, all adds and multiplies, is cut off after a few
+    layers); an input outside the region must not depend on `start`."""
     reached, frontier = set(), [start]
-    while frontier and len(reached) <= _MAX_CANDIDATES:
-        for user in frontier.pop().users:
-            if user not in reached and _is_call(user, _REGION_OPS):
-                reached.add(user)
-                frontier.append(user)
-    if frontier:  # a long chain of region ops: no rotation is that large
-        return {start: 0}
-    depends: dict = {start: True}
-
-    def depends_on_start(node: torch.fx.Node) -> bool:
-        stack = [node]
-        while stack:
-            current = stack[-1]
-            if current in depends:
-                stack.pop()
-                continue
-            if current.op != "call_function" or current < start:  # inputs and nodes before K: never
-                depends[current] = False
-                stack.pop()
-                continue
-            pending = [a for a in current.all_input_nodes if a not in depends]
-            if pending:
-                stack.extend(pending)
-                continue
-            depends[current] = any(depends[a] for a in current.all_input_nodes)
-            stack.pop()
-        return depends[node]
+    for _ in range(_MAX_DEPTH):
+        frontier = {user for node in frontier for user in node.users if user not in reached and _is_call(user, _REGION_OPS)}
+        reached.update(frontier)
+    # Descendants of `start` up to the last reached node (in graph order, every path to a node runs
+    # through earlier nodes, so this window holds all of them that region nodes can read).
+    last = max(reached, default=start)
+    descendants, stack = {start}, [start]
+    while stack:
+        for user in stack.pop().users:
+            if user not in descendants and not last < user:
+                descendants.add(user)
+                stack.append(user)
 
     inside = {start: 0}
     for node in sorted(reached):  # graph order
-        if any(a not in inside and depends_on_start(a) for a in node.all_input_nodes):
+        if any(a not in inside and a in descendants for a in node.all_input_nodes):
             continue  # depends on K through something outside the region (a norm's rsqrt, or a node left out)
         degree = _table_degree(node, inside)
         if degree is not None:
@@ -334,29 +319,20 @@ def match_rotation(k: torch.fx.Node, same_value: Optional[ValueKeys] = None) -> 
             reasons.append(str(reason))
         except Exception as error:  # an op the probe cannot evaluate: not something we can prove
             reasons.append(f"could not be evaluated ({type(error).__name__})")
-    if _factors_share_inputs_with_k(k, inside):  # e.g. an MLP's up * act(gate): no rotary embedding
+    if _factors_share_inputs_with_k(k, inside, same_value):  # e.g. an MLP's up * act(gate): no rotary embedding
         raise NotRotary(NO_ROTATION)
     raise NotRotary(reasons[0])
 
 
-def _graph_inputs_of(nodes: list[torch.fx.Node]) -> set:
-    seen, inputs, stack = set(), set(), list(nodes)
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node.op in ("placeholder", "get_attr"):
-            inputs.add(node)
-        stack.extend(node.all_input_nodes)
-    return inputs
-
-
-def _factors_share_inputs_with_k(k: torch.fx.Node, inside: dict) -> bool:
+def _factors_share_inputs_with_k(k: torch.fx.Node, inside: dict, same_value: ValueKeys) -> bool:
     """Whether the region's other factors (the would-be cos/sin) are computed from a graph input that K is
     computed from: rotary tables come from positions, never from the hidden states K is projected from."""
-    factors = {a for n in inside for a in n.all_input_nodes if a not in inside}
-    return bool(factors) and bool(_graph_inputs_of(list(factors)) & _graph_inputs_of([k]))
+    factors = 0
+    for node in inside:
+        for a in node.all_input_nodes:
+            if a not in inside:
+                factors |= same_value.input_mask(a)
+    return bool(factors & same_value.input_mask(k))
 
 
 def _identify(

@@ -41,6 +41,8 @@ class ValueKeys:
     def __init__(self) -> None:
         self._memo: dict = {}
         self._numbers: dict = {}
+        self._input_masks: dict = {}
+        self._input_bits: dict = {}
 
     def __call__(self, node) -> object:
         if isinstance(node, (list, tuple)):
@@ -71,3 +73,27 @@ class ValueKeys:
                 self._memo[current] = self._numbers.setdefault(expression, ("value", len(self._numbers)))
             else:
                 self._memo[current] = ("input", current)
+
+    def input_mask(self, node: torch.fx.Node) -> int:
+        """The graph inputs `node`'s value is computed from, as a bit mask (bits numbered per instance):
+        `input_mask(a) & input_mask(b)` is non-zero when a and b read a common input."""
+        stack = [node]
+        while stack:
+            current = stack[-1]
+            if current in self._input_masks:
+                stack.pop()
+                continue
+            inputs = current.all_input_nodes
+            missing = [a for a in inputs if a not in self._input_masks]
+            if missing:
+                stack.extend(missing)
+                continue
+            stack.pop()
+            if current.op in ("placeholder", "get_attr"):
+                mask = 1 << self._input_bits.setdefault(current, len(self._input_bits))
+            else:
+                mask = 0
+                for a in inputs:
+                    mask |= self._input_masks[a]
+            self._input_masks[current] = mask
+        return self._input_masks[node]

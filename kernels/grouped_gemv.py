@@ -52,6 +52,8 @@ BLOCK_N_CHOICES = (64, 32, 16)
 MIN_PROGRAMS_PER_SM = 2
 MIN_BLOCK_T = 16  # tl.dot's smallest tile
 BLOCK_K_BYTES = 512  # per weight row and K step: BLOCK_K = 256 for 16-bit weights, 128 for float32
+SPLIT_K_FEW_TOKENS, SPLIT_K_MORE_TOKENS = 8, 4  # K splits when even 16-row tiles leave SMs idle
+SPLIT_BLOCK_K_BYTES = 256
 
 
 def _grouped_gemv_kernel(
@@ -71,6 +73,11 @@ def _grouped_gemv_kernel(
     stride_b,
     stride_on,
     stride_oc,
+    partial_ptr,
+    arrivals_ptr,
+    k_per_split,
+    stride_ps,
+    stride_pn,
     NUM_WEIGHTS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -78,13 +85,20 @@ def _grouped_gemv_kernel(
     BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     DOT_IN_FLOAT32: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):  # fmt: skip
-    """One program: out[tokens, idx * R + rows] for one weight idx, a BLOCK_T x BLOCK_N tile.
+    """One program: out[tokens, idx * R + rows] for one weight idx, a BLOCK_T x BLOCK_N tile, over the
+    features [split * k_per_split, (split + 1) * k_per_split) of its split (all of K when SPLIT_K is 1).
 
     step_xk, step_wk = BLOCK_K * stride_xk, BLOCK_K * stride_wk, computed on the host (so an int64 argument
     when past 2**31). Unused weight / bias slots hold any valid pointer (the first weight).
+    SPLIT_K > 1: each split stores its float32 partial tile in partial [SPLIT_K, N, columns] (strides
+    stride_ps, stride_pn, 1) and counts itself in arrivals[tile] (int32, zero before the launch);
+    the last split to arrive sums the partials in split order (the same sum whatever the arrival order)
+    and writes the tile.
     """
-    pid_tok = tl.program_id(0)  # token blocks vary fastest: programs running together share a weight tile
+    pid_tok = tl.program_id(0) // SPLIT_K  # token blocks (then splits) vary fastest: programs running
+    split = tl.program_id(0) % SPLIT_K  # together share a weight tile
     pid_col = tl.program_id(1)
     col_blocks = tl.cdiv(R, BLOCK_N)
     idx = pid_col // col_blocks  # which weight (uniform over the program)
@@ -107,12 +121,15 @@ def _grouped_gemv_kernel(
     row_mask = rows < R
     # x tile [BLOCK_T, BLOCK_K]; weight tile [BLOCK_K, BLOCK_N], tl.dot's B operand as loaded (staged
     # through shared memory, so the loop is software-pipelined).
+    k_begin = split * k_per_split
+    k_end = tl.minimum(K, k_begin + k_per_split)
     ks = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + tokens.to(tl.int64)[:, None] * stride_xn + ks.to(tl.int64)[None, :] * stride_xk
-    w_ptrs = w_ptr + rows.to(tl.int64)[None, :] * stride_wr + ks.to(tl.int64)[:, None] * stride_wk
+    k_offsets = k_begin.to(tl.int64) + ks.to(tl.int64)
+    x_ptrs = x_ptr + tokens.to(tl.int64)[:, None] * stride_xn + k_offsets[None, :] * stride_xk
+    w_ptrs = w_ptr + rows.to(tl.int64)[None, :] * stride_wr + k_offsets[:, None] * stride_wk
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-    for k_start in range(0, K, BLOCK_K):
-        k_mask = (k_start + ks) < K
+    for k_start in range(k_begin, k_end, BLOCK_K):
+        k_mask = (k_start + ks) < k_end
         x = tl.load(x_ptrs, mask=tok_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & row_mask[None, :], other=0.0)
         if DOT_IN_FLOAT32:  # exact products of 16-bit values, float32 sums: the same math
@@ -122,13 +139,27 @@ def _grouped_gemv_kernel(
         x_ptrs += step_xk
         w_ptrs += step_wk
 
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + rows.to(tl.int64) * stride_b, mask=row_mask, other=0.0)
-        acc += bias.to(tl.float32)[None, :]
-
     cols = (idx * R + rows).to(tl.int64)
-    out_ptrs = out_ptr + tokens.to(tl.int64)[:, None] * stride_on + cols[None, :] * stride_oc
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=tok_mask[:, None] & row_mask[None, :])
+    tile_mask = tok_mask[:, None] & row_mask[None, :]
+    last = True
+    if SPLIT_K > 1:
+        partial_ptrs = partial_ptr + tokens.to(tl.int64)[:, None] * stride_pn + cols[None, :]
+        tl.store(partial_ptrs + split * stride_ps, acc, mask=tile_mask)
+        tl.debug_barrier()  # every thread's partial stored before the counter says so
+        tile = pid_tok * tl.num_programs(1) + pid_col
+        arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel")
+        last = arrived == SPLIT_K - 1
+        if last:
+            acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):  # L2, not this SM's L1: other SMs wrote them
+                acc += tl.load(partial_ptrs + s * stride_ps, mask=tile_mask, other=0.0, cache_modifier=".cg")
+
+    if last:
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + rows.to(tl.int64) * stride_b, mask=row_mask, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+        out_ptrs = out_ptr + tokens.to(tl.int64)[:, None] * stride_on + cols[None, :] * stride_oc
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
 
 
 # One kernel source, two front ends: compiled for CUDA tensors, interpreted (numpy) for CPU tensors.
@@ -233,7 +264,7 @@ def _sm_count(device_index: int) -> int:
 def default_launch_config(
     n: int, rows: int, k: int, n_weights: int, dtype: torch.dtype, device: torch.device
 ) -> dict[str, int]:
-    """BLOCK_T, BLOCK_N, BLOCK_K and num_warps for one launch over `n_weights` weights [rows, k].
+    """BLOCK_T, BLOCK_N, BLOCK_K, num_warps and SPLIT_K for one launch over `n_weights` weights [rows, k].
 
     A pure function of the shapes (no autotuning: safe under CUDA-graph capture), from a sweep on an H200
     (benchmarks/RESULTS.md):
@@ -243,12 +274,16 @@ def default_launch_config(
       - BLOCK_K: up to 64 tokens BLOCK_K_BYTES of a weight row at BLOCK_T = 16, half that above; past 64
         tokens 64 for 64-wide tiles, else 128.
       - BLOCK_K at most the next power of 2 of K (at least 16); num_warps 4.
-      - CPU (the interpreter, tests): BLOCK_N 16, BLOCK_K 32, so that small tests reach every tail.
+      - Fewer programs than SMs even so (one layer's K and V: 2 x 1024 rows make 128 programs of 16 rows):
+        split K (SPLIT_K_FEW_TOKENS splits of 32-row tiles up to 16 tokens, SPLIT_K_MORE_TOKENS of 64-row
+        tiles above), BLOCK_K SPLIT_BLOCK_K_BYTES of a weight row (one layer at T = 1: 8.9 us against 11.5
+        unsplit and 9.6 for one cuBLAS GEMM over a stacked copy).
+      - CPU (the interpreter, tests): BLOCK_N 16, BLOCK_K 32, no split, so that small tests reach every tail.
     """
     k_cap = max(16, triton.next_power_of_2(k))
     block_t = max(MIN_BLOCK_T, min(triton.next_power_of_2(max(n, 1)), 64))
     if device.type != "cuda":
-        return {"BLOCK_T": block_t, "BLOCK_N": 16, "BLOCK_K": min(32, k_cap), "num_warps": 4}
+        return {"BLOCK_T": block_t, "BLOCK_N": 16, "BLOCK_K": min(32, k_cap), "num_warps": 4, "SPLIT_K": 1}
     token_blocks = triton.cdiv(n, block_t)
     min_programs = MIN_PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else 0)
     block_n = BLOCK_N_CHOICES[-1]
@@ -257,11 +292,15 @@ def default_launch_config(
             block_n = candidate
             break
     element_size = torch.empty((), dtype=dtype).element_size()
+    if token_blocks * n_weights * triton.cdiv(rows, block_n) < min_programs // MIN_PROGRAMS_PER_SM:
+        block_n, split_k = (32, SPLIT_K_FEW_TOKENS) if n <= 16 else (64, SPLIT_K_MORE_TOKENS)
+        block_k = min(SPLIT_BLOCK_K_BYTES // element_size, k_cap)
+        return {"BLOCK_T": block_t, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "SPLIT_K": split_k}
     if n > 64:  # several token blocks: 64 x 64 tiles step K by 64, narrower ones by 128
         block_k = 64 if block_n == 64 else 128
     else:
         block_k = (BLOCK_K_BYTES if block_t == MIN_BLOCK_T else BLOCK_K_BYTES // 2) // element_size
-    return {"BLOCK_T": block_t, "BLOCK_N": block_n, "BLOCK_K": min(block_k, k_cap), "num_warps": 4}
+    return {"BLOCK_T": block_t, "BLOCK_N": block_n, "BLOCK_K": min(block_k, k_cap), "num_warps": 4, "SPLIT_K": 1}
 
 
 def launch_grouped_gemv(
@@ -274,14 +313,15 @@ def launch_grouped_gemv(
     block_n: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
+    split_k: int | None = None,
     traceable: bool = False,
 ) -> None:
     """out[:, i*R:(i+1)*R] = x @ weights[i].T (+ biases[i]) for every i, in one launch per 16 weights.
 
     Arguments as in the module docstring; call `grouped_gemv_supported` first (not re-checked here; any N
     works, but beyond MAX_TOKENS the weights are read once per BLOCK_T tokens). CPU tensors run through
-    the Triton interpreter. `block_t` / `block_n` / `block_k` / `num_warps` override the heuristic (tuning
-    only; powers of 2, each at least 16).
+    the Triton interpreter. `block_t` / `block_n` / `block_k` / `num_warps` / `split_k` override the heuristic
+    (tuning only; block sizes powers of 2, each at least 16; split_k >= 1).
     `traceable` launches through `torch.library.wrap_triton`, so that tracing records the launch for Inductor.
     """
     n, k = x.shape
@@ -296,12 +336,21 @@ def launch_grouped_gemv(
         g = len(chunk_w)
         chunk_out = out if g == len(weights) else out[:, start * rows : (start + g) * rows]
         config = default_launch_config(n, rows, k, g, w.dtype, x.device)
-        overrides = {"BLOCK_T": block_t, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": num_warps}
+        overrides = {"BLOCK_T": block_t, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": num_warps, "SPLIT_K": split_k}
         config.update({key: value for key, value in overrides.items() if value is not None})
         pad = MAX_WEIGHTS_PER_LAUNCH - g
         w_args = chunk_w + [chunk_w[0]] * pad  # unused slots: any valid pointer of the right type
         b_args = (chunk_b + [chunk_b[0]] * pad) if chunk_b else [chunk_w[0]] * MAX_WEIGHTS_PER_LAUNCH
-        grid = (triton.cdiv(n, config["BLOCK_T"]), g * triton.cdiv(rows, config["BLOCK_N"]))
+        # Splits of whole K steps, none empty.
+        k_per_split = triton.cdiv(triton.cdiv(k, config["BLOCK_K"]), config["SPLIT_K"]) * config["BLOCK_K"]
+        config["SPLIT_K"] = triton.cdiv(k, k_per_split)
+        token_blocks, column_programs = triton.cdiv(n, config["BLOCK_T"]), g * triton.cdiv(rows, config["BLOCK_N"])
+        grid = (token_blocks * config["SPLIT_K"], column_programs)
+        if config["SPLIT_K"] > 1:
+            partial = torch.empty((config["SPLIT_K"], n, g * rows), dtype=torch.float32, device=x.device)
+            arrivals = torch.zeros(token_blocks * column_programs, dtype=torch.int32, device=x.device)
+        else:  # not read: any valid pointers
+            partial, arrivals = chunk_out, x
         args = (
             x,
             chunk_out,
@@ -319,6 +368,11 @@ def launch_grouped_gemv(
             chunk_b[0].stride(0) if chunk_b else 0,
             chunk_out.stride(0),
             chunk_out.stride(1),
+            partial,
+            arrivals,
+            k_per_split,
+            partial.stride(0) if config["SPLIT_K"] > 1 else 0,
+            partial.stride(1) if config["SPLIT_K"] > 1 else 0,
         )
         # The interpreter's tl.dot multiplies bfloat16's raw uint16 storage: there, bfloat16 tiles are
         # widened to float32 first (exact products) and multiplied with input_precision="ieee".

@@ -67,9 +67,12 @@ def strided_positions() -> None:
     assert_close_to_reference(k_out, reference(case, inputs)[0], case.dtype)
 
 
-def grouped_gemv(n: int, rows: int, hidden: int, n_weights: int, dtype: torch.dtype, bias: bool, strided: bool) -> None:
+def grouped_gemv(
+    n: int, rows: int, hidden: int, n_weights: int, dtype: torch.dtype, bias: bool, strided: bool, split_k: int | None = None
+) -> None:
     """The grouped GEMV kernel on shapes with tails (tokens, rows, hidden), more weights than one launch
-    takes, a transposed x and weights cut from a wider parameter, into a column slice of a poisoned buffer."""
+    takes, a transposed x and weights cut from a wider parameter, into a column slice of a poisoned buffer;
+    `split_k` overrides the heuristic's K split."""
     torch.manual_seed(n * 7 + rows)
     parent = torch.randn(n_weights, rows, hidden + (5 if strided else 0), device="cuda", dtype=dtype)
     weights = [parent[i, :, :hidden] for i in range(n_weights)]
@@ -78,7 +81,7 @@ def grouped_gemv(n: int, rows: int, hidden: int, n_weights: int, dtype: torch.dt
     buffer = torch.full((n, n_weights * rows + 3), float("nan"), device="cuda", dtype=dtype)
     out = buffer[:, 1 : 1 + n_weights * rows]
     assert grouped_gemv_supported(x, weights, biases, out)
-    launch_grouped_gemv(x, weights, biases, out)
+    launch_grouped_gemv(x, weights, biases, out, split_k=split_k)
     expected = grouped_linear_reference(x, weights, biases)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance * hidden**0.5)
@@ -90,6 +93,8 @@ GEMV_CASES = {
     "gemv-3-tokens-bias-strided": dict(n=3, rows=48, hidden=777, n_weights=5, dtype=torch.float16, bias=True, strided=True),
     "gemv-17-tokens-dot-tails": dict(n=17, rows=72, hidden=300, n_weights=2, dtype=torch.bfloat16, bias=True, strided=False),
     "gemv-64-tokens-fp32-18-weights": dict(n=64, rows=16, hidden=96, n_weights=18, dtype=torch.float32, bias=False, strided=True),
+    "gemv-split-k-3-tails": dict(n=5, rows=40, hidden=1000, n_weights=18, dtype=torch.bfloat16, bias=True, strided=True, split_k=3),
+    "gemv-split-k-8-one-token": dict(n=1, rows=1024, hidden=4096, n_weights=2, dtype=torch.bfloat16, bias=False, strided=False, split_k=8),
 }
 
 

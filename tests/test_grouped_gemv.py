@@ -147,13 +147,13 @@ def assert_matches_reference(out: torch.Tensor, x, weights, biases) -> None:
     )
 
 
-def run_case(case: Case, device: str, seed: int = 0) -> None:
+def run_case(case: Case, device: str, seed: int = 0, **overrides) -> None:
     gen = torch.Generator().manual_seed(seed)
     x = make_x(case, device, gen)
     weights, biases = make_weights(case, device, gen)
     out, buffer = poisoned_out(case, device)
     assert grouped_gemv_unsupported_reason(x, weights, biases, out) is None
-    launch_grouped_gemv(x, weights, biases, out)
+    launch_grouped_gemv(x, weights, biases, out, **overrides)
     assert_matches_reference(out, x, weights, biases)
     if case.out_layout == "column_slice":  # the columns beside out stay untouched
         assert buffer[:, :5].isnan().all() and buffer[:, 5 + out.shape[1] :].isnan().all()
@@ -199,6 +199,16 @@ def test_strided_biases_and_chunked_column_slice(n: int, device: str) -> None:
 def test_long_k_multi_step(n: int, device: str) -> None:
     """K over several BLOCK_K steps with a tail, R over several column blocks with a tail."""
     run_case(Case(n=n, k=129, rows=37, n_weights=2, dtype=torch.float16), device)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("split_k", [2, 3, 7])
+@pytest.mark.parametrize("n", [1, 17])
+def test_split_k(n: int, split_k: int, bias: bool, device: str) -> None:
+    """K split over programs (the last to arrive sums the float32 partials): K steps with a tail, two launches
+    (18 weights) into a column slice, transposed x; 7 splits of 5 K steps leave none empty (5 splits)."""
+    case = Case(n=n, k=129, rows=37, n_weights=18, bias=bias, x_layout="transposed", out_layout="column_slice")
+    run_case(case, device, split_k=split_k, block_k=32 if device == "cpu" else 16)
 
 
 @pytest.mark.parametrize("block_t", [16, 64])
@@ -328,28 +338,35 @@ def test_supported_and_cpu_needs_interpreter(monkeypatch) -> None:
 
 def test_launch_heuristic(monkeypatch) -> None:
     """The measured tiles: 16-token tiles with long K steps for a few tokens, BLOCK_N giving >= 2 programs
-    per SM, 64-token tiles past 64 tokens."""
+    per SM, 64-token tiles past 64 tokens; K split when fewer programs than SMs."""
     monkeypatch.setattr(gg, "_sm_count", lambda index: 132)  # an H200
     cuda = torch.device("cuda", 0)
     bf16 = torch.bfloat16
     # qwen3-8b-dflash: 10 weights [1024, 4096]. BLOCK_N 64 -> 160 programs < 264; 32 -> 320.
     for n in (1, 3, 16):
         assert gg.default_launch_config(n, 1024, 4096, 10, bf16, cuda) == {
-            "BLOCK_T": 16, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4,
+            "BLOCK_T": 16, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "SPLIT_K": 1,
         }  # fmt: skip
     assert gg.default_launch_config(1, 1024, 4096, 10, torch.float32, cuda)["BLOCK_K"] == 128
     assert gg.default_launch_config(17, 1024, 4096, 10, bf16, cuda) == {
-        "BLOCK_T": 32, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4,
+        "BLOCK_T": 32, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "SPLIT_K": 1,
     }  # fmt: skip
     assert gg.default_launch_config(17, 1024, 4096, 10, torch.float32, cuda)["BLOCK_K"] == 64
-    # Two weights: no size reaches 2 programs per SM -> the smallest.
-    assert gg.default_launch_config(1, 1024, 4096, 2, bf16, cuda)["BLOCK_N"] == 16
+    # Two weights: even 16-row tiles give 128 programs < 132 SMs -> K split over programs.
+    assert gg.default_launch_config(1, 1024, 4096, 2, bf16, cuda) == {
+        "BLOCK_T": 16, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "SPLIT_K": 8,
+    }  # fmt: skip
+    assert gg.default_launch_config(40, 1024, 4096, 2, torch.float32, cuda) == {
+        "BLOCK_T": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "SPLIT_K": 4,
+    }  # fmt: skip
+    # Three weights: 192 programs of 16 rows, no split.
+    assert gg.default_launch_config(1, 1024, 4096, 3, bf16, cuda)["SPLIT_K"] == 1
     # Past 64 tokens: several token blocks count toward the programs per SM.
     assert gg.default_launch_config(MAX_TOKENS, 1024, 4096, 10, bf16, cuda) == {
-        "BLOCK_T": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4,
+        "BLOCK_T": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "SPLIT_K": 1,
     }  # fmt: skip
     assert gg.default_launch_config(MAX_TOKENS, 1024, 4096, 2, bf16, cuda) == {
-        "BLOCK_T": 64, "BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4,
+        "BLOCK_T": 64, "BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "SPLIT_K": 1,
     }  # fmt: skip
     # Short K: BLOCK_K no larger than needed (but >= 16).
     assert gg.default_launch_config(1, 1024, 8, 10, bf16, cuda)["BLOCK_K"] == 16
