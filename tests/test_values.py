@@ -39,3 +39,21 @@ def test_equal_expressions_share_a_key_and_others_do_not():
     assert keys(first) == keys(again)
     assert keys(transposed) == keys(transposed_again)
     assert len({keys(first), keys(swapped), keys(transposed), keys(other), keys(x), keys(w)}) == 6
+
+
+def test_input_masks_name_the_graph_inputs_a_value_reads():
+    graph = torch.fx.Graph()
+    x, w, positions = graph.placeholder("x"), graph.placeholder("w"), graph.placeholder("positions")
+    k = graph.call_function(torch.ops.aten.mm.default, (x, w))
+    cos = graph.call_function(torch.ops.aten.cos.default, (positions,))
+    gate = graph.call_function(torch.ops.aten.sigmoid.default, (x,))
+    keys = ValueKeys()
+    assert keys.input_mask(k) & keys.input_mask(gate)  # both read x
+    assert not keys.input_mask(k) & keys.input_mask(cos)
+    assert keys.input_mask(cos) == keys.input_mask(positions) != 0
+
+
+def test_input_masks_in_deep_graphs():
+    _, chain = _graph_reading_each_value_twice(5000)  # iterative: no recursion limit
+    keys = ValueKeys()
+    assert keys.input_mask(chain[-1]) == keys.input_mask(chain[0]) == 1
