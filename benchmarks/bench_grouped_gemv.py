@@ -17,7 +17,7 @@ call (x [N, 4096] -> out [N, G * 1024], one preallocated out):
     per_weight   torch.mm(x, w_i.t(), out=out[:, i*R:(i+1)*R]) for every i (torch.addmm with --bias)
     concat       torch.mm(x, w_cat.t(), out=out), w_cat pre-concatenated once (a reference: it needs a second
                  copy of the weights)
-    cfg[T:N:K:W(:S)] launch_grouped_gemv with BLOCK_T:BLOCK_N:BLOCK_K:num_warps(:split_k) overrides
+    cfg[T:N:K:W(:S(:P))] launch_grouped_gemv with BLOCK_T:BLOCK_N:BLOCK_K:num_warps(:split_k(:num_stages)) overrides
                  (--configs; 0 keeps the heuristic's value), for tuning
     floor        bytes(all weights (+ biases) + x + out) / --peak-bw (B/s; 4.8e12 = H200 HBM3e spec)
 
@@ -104,7 +104,7 @@ def make_candidates(configs: list[tuple[int, int, int, int]]) -> dict[str, Calla
 
     candidates: dict[str, Callable[[Inputs], None]] = {"grouped": grouped, "per_weight": per_weight, "concat": concat}
     for cfg in configs:
-        overrides = {k: v for k, v in zip(("block_t", "block_n", "block_k", "num_warps", "split_k"), cfg) if v}
+        overrides = {k: v for k, v in zip(("block_t", "block_n", "block_k", "num_warps", "split_k", "num_stages"), cfg) if v}
 
         def tuned(t: Inputs, overrides=overrides) -> None:
             launch_grouped_gemv(t.x, t.weights, t.biases, t.out, **overrides)
@@ -228,8 +228,10 @@ def parse_configs(text: str) -> list[tuple[int, ...]]:
     configs = []
     for item in filter(None, text.split(",")):
         parts = [int(p) for p in item.split(":")]
-        if len(parts) not in (4, 5):
-            raise argparse.ArgumentTypeError(f"config {item!r}: expected BLOCK_T:BLOCK_N:BLOCK_K:num_warps[:split_k]")
+        if len(parts) not in (4, 5, 6):
+            raise argparse.ArgumentTypeError(
+                f"config {item!r}: expected BLOCK_T:BLOCK_N:BLOCK_K:num_warps[:split_k[:num_stages]]"
+            )
         configs.append(tuple(parts))
     return configs
 
@@ -252,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         "--configs",
         type=parse_configs,
         default=[],
-        help="extra grouped columns, BLOCK_T:BLOCK_N:BLOCK_K:num_warps[:split_k] "
+        help="extra grouped columns, BLOCK_T:BLOCK_N:BLOCK_K:num_warps[:split_k[:num_stages]] "
         "(0 = heuristic), comma-separated, e.g. 16:0:0:0,0:64:0:8,16:64:128:4:4",
     )
     parser.add_argument("--out", default="bench_grouped_gemv.json", help="JSON output path")

@@ -465,6 +465,36 @@ def test_inductor_generates_the_fused_code(device, options):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("graphed", [False, True], ids=["plain", "cudagraphs"])
+@pytest.mark.parametrize(
+    "n_layers, tokens, expected", [(1, 3, {"SPLIT_K": 8}), (5, 100, {"num_stages": 4})], ids=["split_k", "stages"]
+)
+def test_grouped_kernel_launch_options_in_inductor_code(n_layers, tokens, expected, graphed):
+    """The grouped kernel's launch options reach Inductor's launch: one layer's K and V (2 x 1024 rows) split K
+    (partials and arrival counters allocated by Inductor's code, replayed by CUDA graphs); 5 layers at 100
+    tokens take 64 x 64 tiles through 4 pipeline stages. The results match eager."""
+    from fx_fusion.kernels import grouped_gemv
+
+    module = drafts.qwen3_context_kv(
+        n_layers, hidden_size=2048, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, device="cuda"
+    )
+    inputs = drafts.example_inputs(module, seq_len=tokens)
+    config = grouped_gemv.default_launch_config(tokens, 1024, 2048, 2 * n_layers, torch.bfloat16, inputs[0].device)
+    assert expected.items() <= config.items()
+    records = []
+    with torch.no_grad(), RecordSink.collect(records):
+        ref = module(*inputs)
+        options = {"min_layers": 1, "triton.cudagraphs": graphed}  # "reduce-overhead", with an option
+        compiled = torch.compile(module, backend="fx_fusion", options=options)
+        got, codes = torch._inductor.utils.run_and_get_code(compiled, *inputs)
+        assert_close_outputs(got, ref, torch.bfloat16)
+        for _ in range(2):  # CUDA graphs: recorded, then replayed
+            assert_close_outputs(compiled(*inputs), ref, torch.bfloat16)
+    only_fused_groups(records)
+    assert "_grouped_gemv_kernel" in "\n".join(codes)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_many_tokens_on_cuda_run_cublas_from_inductor_code():
     """Past the grouped kernel's token count the projections are cuBLAS GEMMs launched by Inductor (into
     column slices of one output), not a Python-level op call."""

@@ -363,7 +363,7 @@ def test_launch_heuristic(monkeypatch) -> None:
     assert gg.default_launch_config(1, 1024, 4096, 3, bf16, cuda)["SPLIT_K"] == 1
     # Past 64 tokens: several token blocks count toward the programs per SM.
     assert gg.default_launch_config(MAX_TOKENS, 1024, 4096, 10, bf16, cuda) == {
-        "BLOCK_T": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "SPLIT_K": 1,
+        "BLOCK_T": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "SPLIT_K": 1, "num_stages": 4,
     }  # fmt: skip
     assert gg.default_launch_config(MAX_TOKENS, 1024, 4096, 2, bf16, cuda) == {
         "BLOCK_T": 64, "BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "SPLIT_K": 1,
