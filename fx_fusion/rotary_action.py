@@ -149,7 +149,8 @@ def _region(start: torch.fx.Node) -> dict:
     layers); an input outside the region must not depend on `start`."""
     reached, frontier = set(), [start]
     for _ in range(_MAX_DEPTH):
-        frontier = {user for node in frontier for user in node.users if user not in reached and _is_call(user, _REGION_OPS)}
+        users = {user for node in frontier for user in node.users}
+        frontier = {user for user in users if user not in reached and _is_call(user, _REGION_OPS)}
         reached.update(frontier)
     # Descendants of `start` up to the last reached node (in graph order, every path to a node runs
     # through earlier nodes, so this window holds all of them that region nodes can read).

@@ -24,7 +24,10 @@ Grid: (cdiv(N, BLOCK_T), column blocks of BLOCK_N over the chunk's weights). One
 [BLOCK_T, BLOCK_N] tile of out for one weight with `tl.dot`, stepping over K by BLOCK_K, float32
 accumulation (float32 inputs use input_precision="ieee": no TF32). Token blocks vary fastest, so programs
 that run together share a weight tile. Even one token takes a 16-row tile (rows past N masked): on an
-H200 that streams the weights faster than a broadcast-and-sum GEMV (benchmarks/RESULTS.md).
+H200 that streams the weights faster than a broadcast-and-sum GEMV (benchmarks/RESULTS.md). When too few
+tiles would keep the SMs busy, K is split too (the grid's first axis is then token blocks x SPLIT_K): each
+split stores a float32 partial tile in a scratch buffer, and the last split to finish a tile (an atomic
+counter per tile) sums the partials in split order and writes it.
 
 CPU tensors run through Triton's interpreter (tests only; `grouped_gemv_supported` admits them only when
 TRITON_INTERPRET=1 at call time).
@@ -297,9 +300,9 @@ def default_launch_config(
         block_n, split_k = (32, SPLIT_K_FEW_TOKENS) if n <= 16 else (64, SPLIT_K_MORE_TOKENS)
         block_k = min(SPLIT_BLOCK_K_BYTES // element_size, k_cap)
         return {"BLOCK_T": block_t, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "SPLIT_K": split_k}
-    if n > 64:  # several token blocks: 64 x 64 tiles step K by 64 through 4 pipeline stages, narrower ones by 128
-        if block_n == 64:
-            return {"BLOCK_T": block_t, "BLOCK_N": 64, "BLOCK_K": min(64, k_cap), "num_warps": 4, "SPLIT_K": 1, "num_stages": 4}
+    if n > 64 and block_n == 64:  # several token blocks: 64 x 64 tiles step K by 64, 4 pipeline stages
+        return {"BLOCK_T": block_t, "BLOCK_N": 64, "BLOCK_K": min(64, k_cap), "num_warps": 4, "SPLIT_K": 1, "num_stages": 4}
+    if n > 64:  # narrower tiles step K by 128
         block_k = 128
     else:
         block_k = (BLOCK_K_BYTES if block_t == MIN_BLOCK_T else BLOCK_K_BYTES // 2) // element_size
