@@ -341,13 +341,16 @@ def _explain_plain_projections(entry: dict, fused: set, record: PassRecord) -> N
     layer's K or V that a user may expect to see fused), unless its K branch was already reported."""
     reported = {b.projection.node for b in entry["branches"]}
     widths = collections.Counter(p.out_features for p in entry["projections"])
+    located = {r.location for r in record.rejected}
     for projection in entry["projections"]:
         node = projection.node
         if node in fused or node in reported or widths[projection.out_features] < 2:
             continue
         reason = entry["not_k"].get(node, "not a K projection")
-        if not any(r.location == node_location(node) for r in record.rejected):
-            record.rejected.append(Rejection(f"left as a plain linear: {reason}", node_location(node)))
+        location = node_location(node)
+        if location not in located:
+            record.rejected.append(Rejection(f"left as a plain linear: {reason}", location))
+            located.add(location)
 
 
 def _rotary_table_sizes(table: torch.fx.Node, branch: KBranch, hidden: torch.fx.Node) -> Optional[list]:

@@ -230,6 +230,38 @@ class _Probe:
             for t, is_complex in zip(self.tables, self.complex)
         ]
 
+    def signature(self) -> tuple:
+        """Everything `_identify` reads, as plain data (no nodes): the ops in order, their arguments (K, an
+        earlier node or a table by position), every shape involved and the probe's size mapping. Two probes
+        with equal signatures compute the same function of K and the tables, so they identify alike."""
+        position = {node: i for i, node in enumerate(self.nodes)}
+
+        def encode(a):
+            if isinstance(a, torch.fx.Node):
+                if a is self.start:
+                    return ("k",)
+                return ("node", position[a]) if a in position else ("table", *self.table_of[a])
+            if isinstance(a, (list, tuple)):
+                return (type(a).__name__, *(encode(e) for e in a))
+            if isinstance(a, dict):
+                return tuple(sorted((key, encode(v)) for key, v in a.items()))
+            return ("value", type(a).__name__, _hint(a))
+
+        def shapes(value):
+            if isinstance(value, torch.Tensor):
+                return tuple(_hint(list(value.shape)))
+            if isinstance(value, (list, tuple)):
+                return tuple(shapes(v) for v in value)
+            return None
+
+        return (
+            tuple(sorted(self.sizes.mapping.items())),
+            shapes(node_val(self.start)),
+            tuple(shapes(node_val(t)) for t in self.tables),
+            tuple(self.complex),
+            tuple((n.target, encode(n.args), encode(n.kwargs), shapes(node_val(n))) for n in self.nodes),
+        )
+
     def run(self, k: torch.Tensor, tables: list[torch.Tensor]) -> torch.Tensor:
         env = {self.start: k}
 
@@ -336,10 +368,40 @@ def _factors_share_inputs_with_k(k: torch.fx.Node, inside: dict, same_value: Val
     return bool(factors & same_value.input_mask(k))
 
 
+# Outcomes of `_identify_on` by probe signature (plain data: holds no graph), shared across layers and
+# compiles: a decoder's layers repeat one rotary region, identified once. Bounded; cleared when full.
+_IDENTIFIED: dict = {}
+_MAX_IDENTIFIED = 1024
+
+
 def _identify(
     k: torch.fx.Node, out: torch.fx.Node, nodes: list[torch.fx.Node], inside: dict, sizes: ProbeSizes, same_value: ValueKeys
 ) -> Rotation:
     probe = _Probe(k, nodes, inside, sizes, same_value)
+    key = probe.signature()
+    try:
+        outcome = _IDENTIFIED.get(key)
+    except TypeError:  # an argument that cannot be a key: identify without the memo
+        key, outcome = None, None
+    if outcome is None:
+        try:
+            outcome = _identify_on(probe)
+        except (NotRotary, ProbeMismatch) as reason:  # outcomes too (their texts name no node)
+            outcome = (type(reason), str(reason))
+        if key is not None:
+            if len(_IDENTIFIED) >= _MAX_IDENTIFIED:
+                _IDENTIFIED.clear()
+            _IDENTIFIED[key] = outcome
+    if isinstance(outcome[0], type):
+        raise outcome[0](outcome[1])
+    rotary_dim, interleaved, sin_negated, tables = outcome
+    cos, sin = (Table(probe.tables[index], mode, part) for index, mode, part in tables)
+    return Rotation(out=out, cos=cos, sin=sin, rotary_dim=rotary_dim, interleaved=interleaved, sin_negated=sin_negated)
+
+
+def _identify_on(probe: _Probe) -> tuple:
+    """(rotary_dim, interleaved, sin_negated, ((table index, mode, part) of cos, of sin)) for the probe's
+    region, or NotRotary with the reason."""
     shape = probe.shape
     numel, head_dim = torch.Size(shape).numel(), shape[-1]
     k_codes = torch.arange(1, numel + 1, dtype=torch.float64).view(shape)
@@ -415,7 +477,5 @@ def _identify(
         mode = _table_mode(table_shape, shape, index, rotary_dim)
         if mode is None:
             raise NotRotary("cos/sin are not one value per token and frequency, shared by every head")
-        specs.append(Table(probe.tables[table], mode, part if probe.complex[table] else None))
-    return Rotation(
-        out=out, cos=specs[0], sin=specs[1], rotary_dim=rotary_dim, interleaved=interleaved, sin_negated=sin_negated
-    )
+        specs.append((table, mode, part if probe.complex[table] else None))
+    return rotary_dim, interleaved, sin_negated, tuple(specs)

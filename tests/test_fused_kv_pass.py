@@ -268,6 +268,26 @@ def test_layer_with_its_own_cos_sin_fuses_with_per_layer_tables():
     assert counting.after[FUSED_OP] == 1 and counting.after[aten.neg.default] == 0
 
 
+def test_a_repeated_rotary_region_is_identified_once(monkeypatch):
+    """Layers that spell one rotary region alike are identified by probing once (the outcome is keyed by
+    the region's ops, arguments and shapes), and every layer still gets its own tables and output."""
+    from fx_fusion import rotary_action
+
+    identified = []
+    identify_on = rotary_action._identify_on
+    monkeypatch.setattr(rotary_action, "_IDENTIFIED", {})
+    monkeypatch.setattr(rotary_action, "_identify_on", lambda probe: identified.append(probe) or identify_on(probe))
+    module = drafts.qwen3_context_kv(4)
+    inputs = drafts.example_inputs(module, seq_len=6)
+    records = []
+    with torch.no_grad(), RecordSink.collect(records), torch._inductor.config.patch(fx_graph_cache=False):
+        torch._dynamo.reset()
+        assert_close_outputs(torch.compile(module, backend="fx_fusion")(*inputs), module(*inputs), torch.float32)
+    (group,) = only_fused_groups(records)
+    assert group.n_layers == 4
+    assert len(identified) == 1
+
+
 def test_single_layer_needs_min_layers_option():
     module = drafts.qwen3_context_kv(1)
     inputs = drafts.example_inputs(module, seq_len=4)
