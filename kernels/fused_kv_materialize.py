@@ -652,6 +652,8 @@ def write_caches_torch(k: torch.Tensor, v: torch.Tensor, cache: CacheWrite) -> N
     Every shape is static, so Inductor compiles it (C++ on CPU): a token whose slot lies outside the cache is
     written, instead, where the first in-cache token goes and with that token's value (when no token is in
     the cache: at slot 0 with what slot 0 holds), which leaves the cache exactly as skipping it would."""
+    if cache.slots.numel() == 0:  # no token, nothing to write (and no first token to stand in)
+        return
     batch, per_batch = cache_view(cache.k_caches[0], cache.cache_dims).shape[:2]
     slots = cache.slots.long()
     valid = (slots >= 0) & (slots < batch * per_batch)
