@@ -349,6 +349,8 @@ def launch_grouped_gemv(
             "num_stages": num_stages,
         }  # fmt: skip
         config.update({key: value for key, value in overrides.items() if value is not None})
+        if config["SPLIT_K"] < 1:
+            raise ValueError(f"split_k must be >= 1, got {config['SPLIT_K']}")
         pad = MAX_WEIGHTS_PER_LAUNCH - g
         w_args = chunk_w + [chunk_w[0]] * pad  # unused slots: any valid pointer of the right type
         b_args = (chunk_b + [chunk_b[0]] * pad) if chunk_b else [chunk_w[0]] * MAX_WEIGHTS_PER_LAUNCH

@@ -211,6 +211,12 @@ def test_split_k(n: int, split_k: int, bias: bool, device: str) -> None:
     run_case(case, device, split_k=split_k, block_k=32 if device == "cpu" else 16)
 
 
+def test_split_k_below_one_is_refused() -> None:
+    x, weights, biases, out = _args(dtype=torch.float32)
+    with pytest.raises(ValueError, match="split_k must be >= 1"):
+        launch_grouped_gemv(x, weights, biases, out, split_k=0)
+
+
 @pytest.mark.parametrize("block_t", [16, 64])
 def test_wide_token_tiles_for_few_tokens(block_t: int, device: str) -> None:
     """Tiles wider than the tokens (the `block_t` override): most token rows masked off."""
