@@ -245,7 +245,10 @@ class _Probe:
                 return (type(a).__name__, *(encode(e) for e in a))
             if isinstance(a, dict):
                 return tuple(sorted((key, encode(v)) for key, v in a.items()))
-            return ("value", type(a).__name__, _hint(a))
+            a = _hint(a)
+            if a is not None and not isinstance(a, _PLAIN_VALUES):  # hashed by identity, or not at all
+                raise TypeError(f"{type(a).__name__} argument")
+            return ("value", type(a).__name__, a)
 
         def shapes(value):
             if isinstance(value, torch.Tensor):
@@ -372,16 +375,17 @@ def _factors_share_inputs_with_k(k: torch.fx.Node, inside: dict, same_value: Val
 # compiles: a decoder's layers repeat one rotary region, identified once. Bounded; cleared when full.
 _IDENTIFIED: dict = {}
 _MAX_IDENTIFIED = 1024
+_PLAIN_VALUES = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
 def _identify(
     k: torch.fx.Node, out: torch.fx.Node, nodes: list[torch.fx.Node], inside: dict, sizes: ProbeSizes, same_value: ValueKeys
 ) -> Rotation:
     probe = _Probe(k, nodes, inside, sizes, same_value)
-    key = probe.signature()
     try:
+        key = probe.signature()
         outcome = _IDENTIFIED.get(key)
-    except TypeError:  # an argument that cannot be a key: identify without the memo
+    except TypeError:  # an argument that is not plain data: identify without the memo
         key, outcome = None, None
     if outcome is None:
         try:
