@@ -56,18 +56,8 @@ class ValueKeys:
         return self._memo[node]
 
     def _fill(self, node: torch.fx.Node) -> None:
-        """Key `node` and its unkeyed ancestors, inputs first (iteratively: graphs can be thousands deep)."""
-        stack = [node]
-        while stack:
-            current = stack[-1]
-            if current in self._memo:
-                stack.pop()
-                continue
-            missing = [a for a in current.all_input_nodes if a not in self._memo]
-            if missing and current.op == "call_function":
-                stack.extend(missing)
-                continue
-            stack.pop()
+        """Key `node` and its unkeyed ancestors, inputs first."""
+        for current in _inputs_first(node, self._memo):
             if current.op == "call_function":
                 expression = (current.target, self(current.args), self(current.kwargs))
                 self._memo[current] = self._numbers.setdefault(expression, ("value", len(self._numbers)))
@@ -77,23 +67,29 @@ class ValueKeys:
     def input_mask(self, node: torch.fx.Node) -> int:
         """The graph inputs `node`'s value is computed from, as a bit mask (bits numbered per instance):
         `input_mask(a) & input_mask(b)` is non-zero when a and b read a common input."""
-        stack = [node]
-        while stack:
-            current = stack[-1]
-            if current in self._input_masks:
-                stack.pop()
-                continue
-            inputs = current.all_input_nodes
-            missing = [a for a in inputs if a not in self._input_masks]
-            if missing:
-                stack.extend(missing)
-                continue
-            stack.pop()
+        for current in _inputs_first(node, self._input_masks):
             if current.op in ("placeholder", "get_attr"):
                 mask = 1 << self._input_bits.setdefault(current, len(self._input_bits))
             else:
                 mask = 0
-                for a in inputs:
+                for a in current.all_input_nodes:
                     mask |= self._input_masks[a]
             self._input_masks[current] = mask
         return self._input_masks[node]
+
+
+def _inputs_first(node: torch.fx.Node, done: dict):
+    """`node` and its ancestors not in `done`, each after its inputs; the caller adds each to `done` before
+    taking the next (iteratively: graphs can be thousands deep)."""
+    stack = [node]
+    while stack:
+        current = stack[-1]
+        if current in done:
+            stack.pop()
+            continue
+        missing = [a for a in current.all_input_nodes if a not in done]
+        if missing:
+            stack.extend(missing)
+            continue
+        stack.pop()
+        yield current
