@@ -21,6 +21,18 @@ call (x [N, 4096] -> out [N, G * 1024], one preallocated out):
                  (--configs; 0 keeps the heuristic's value), for tuning
     floor        bytes(all weights (+ biases) + x + out) / --peak-bw (B/s; 4.8e12 = H200 HBM3e spec)
 
+With --epilogue the weights are ordered [K_0 .. K_{L-1}, V_0 .. V_{L-1}] (as the pass groups them), every
+K head is also normalised (per-layer [128] weights) and rotated (per-token cos/sin, neox) into k_out
+[L, N, 8, 128], and the columns become:
+
+    grouped      launch_grouped_gemv(..., k_epilogue=...): the norm/RoPE in the GEMM's epilogue, one launch
+    separate     the grouped kernel, then the materialization kernel over its K heads (two launches; the
+                 norm weights pre-stacked, so no gather)
+    concat       the pre-concatenated cuBLAS GEMM, then the materialization kernel
+    cfg[...]     the epilogue launch with overrides (BLOCK_N is always the head dim)
+
+and k_out is checked against `concat`'s too.
+
 Timing: every candidate is captured once in a torch.cuda.CUDAGraph (after warm-up), the graph is replayed
 --replays times between two CUDA events, and the median over --repeats such runs is reported. So that the
 weights come from HBM and not from L2, the graph runs the candidate over enough distinct copies of the
@@ -47,14 +59,18 @@ import torch
 import triton
 
 from fx_fusion import cuda_graphs
+from fx_fusion.kernels.fused_kv_materialize import launch_fused_kv_materialize
 from fx_fusion.kernels.grouped_gemv import (
     MAX_TOKENS,
+    KEpilogue,
     default_launch_config,
+    epilogue_launch_config,
     grouped_gemv_unsupported_reason,
     launch_grouped_gemv,
 )
 
-HIDDEN, KV_SIZE = 4096, 8 * 128
+HIDDEN, KV_HEADS, HEAD_DIM = 4096, 8, 128
+KV_SIZE = KV_HEADS * HEAD_DIM
 WORKLOADS = {  # name: number of weights [KV_SIZE, HIDDEN] (k_proj and v_proj of every layer)
     "qwen3-8b-dflash": 10,
     "llama3-8b-ctx": 10,
@@ -72,7 +88,9 @@ def log(msg: str) -> None:
 class Inputs:
     """One copy of a call's tensors: x, the separate weights (and biases), their concatenation, out."""
 
-    def __init__(self, n: int, g: int, dtype: torch.dtype, bias: bool, device: torch.device, gen: torch.Generator):
+    def __init__(
+        self, n: int, g: int, dtype: torch.dtype, bias: bool, device: torch.device, gen: torch.Generator, epilogue: bool
+    ):
         def randn(*shape: int) -> torch.Tensor:
             return (torch.randn(*shape, generator=gen, device=device) * 0.05).to(dtype)
 
@@ -83,11 +101,35 @@ class Inputs:
         self.b_cat = torch.cat(self.biases) if bias else None
         self.out = torch.empty(n, g * KV_SIZE, dtype=dtype, device=device)
         self.out_slices = [self.out[:, i * KV_SIZE : (i + 1) * KV_SIZE] for i in range(g)]
+        self.epilogue = None
+        if epilogue:  # K of layer l in columns [l * KV_SIZE, (l + 1) * KV_SIZE)
+            layers = g // 2
+            self.norms = [randn(HEAD_DIM) + 1 for _ in range(layers)]
+            self.norm_table = torch.stack(self.norms)
+            angles = torch.rand(n, HEAD_DIM // 2, generator=gen, device=device) * 6
+            cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+            self.k_out = torch.empty(layers, n, KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
+            self.k_proj = self.out[:, : layers * KV_SIZE].view(n, layers, KV_SIZE)
+            self.epilogue = KEpilogue(
+                self.k_out, 0, KV_SIZE, HEAD_DIM, self.norms, None, 1e-6, cos, sin, None, HEAD_DIM, False, 0.0, False, True
+            )
+
+    def materialize(self) -> None:
+        """The materialization kernel over the K heads of out into k_out (the second launch)."""
+        e = self.epilogue
+        launch_fused_kv_materialize(
+            self.k_proj, None, self.norm_table, None, 1e-6, e.cos, e.sin, None, self.k_out, None, KV_HEADS, HEAD_DIM,
+            HEAD_DIM, False, 0.0, False, True,
+        )  # fmt: skip
 
 
-def make_candidates(configs: list[tuple[int, int, int, int]]) -> dict[str, Callable[[Inputs], None]]:
+def make_candidates(configs: list[tuple[int, int, int, int]], epilogue: bool) -> dict[str, Callable[[Inputs], None]]:
     def grouped(t: Inputs) -> None:
+        launch_grouped_gemv(t.x, t.weights, t.biases, t.out, k_epilogue=t.epilogue)
+
+    def separate(t: Inputs) -> None:
         launch_grouped_gemv(t.x, t.weights, t.biases, t.out)
+        t.materialize()
 
     def per_weight(t: Inputs) -> None:
         for i, (w, o) in enumerate(zip(t.weights, t.out_slices)):
@@ -101,13 +143,17 @@ def make_candidates(configs: list[tuple[int, int, int, int]]) -> dict[str, Calla
             torch.addmm(t.b_cat, t.x, t.w_cat.t(), out=t.out)
         else:
             torch.mm(t.x, t.w_cat.t(), out=t.out)
+        if epilogue:
+            t.materialize()
 
-    candidates: dict[str, Callable[[Inputs], None]] = {"grouped": grouped, "per_weight": per_weight, "concat": concat}
+    candidates: dict[str, Callable[[Inputs], None]] = {"grouped": grouped}
+    candidates.update({"separate": separate} if epilogue else {"per_weight": per_weight})
+    candidates["concat"] = concat
     for cfg in configs:
         overrides = {k: v for k, v in zip(("block_t", "block_n", "block_k", "num_warps", "split_k", "num_stages"), cfg) if v}
 
         def tuned(t: Inputs, overrides=overrides) -> None:
-            launch_grouped_gemv(t.x, t.weights, t.biases, t.out, **overrides)
+            launch_grouped_gemv(t.x, t.weights, t.biases, t.out, k_epilogue=t.epilogue, **overrides)
 
         candidates["cfg[" + ":".join(map(str, cfg)) + "]"] = tuned
     return candidates
@@ -141,9 +187,11 @@ def bench_row(name: str, g: int, n: int, args: argparse.Namespace, device: torch
     elt = torch.finfo(dtype).bits // 8
     weight_bytes = g * KV_SIZE * (HIDDEN + (1 if args.bias else 0)) * elt
     nbytes = weight_bytes + n * HIDDEN * elt + n * g * KV_SIZE * elt
+    if args.epilogue:  # and k_out
+        nbytes += n * (g // 2) * KV_SIZE * elt
     copies = max(1, math.ceil(args.rotate_bytes / nbytes))
     gen = torch.Generator(device=device).manual_seed(0)
-    sets = [Inputs(n, g, dtype, args.bias, device, gen) for _ in range(copies)]
+    sets = [Inputs(n, g, dtype, args.bias, device, gen, args.epilogue) for _ in range(copies)]
     first = sets[0]
     row: dict[str, Any] = {
         "workload": name,
@@ -157,20 +205,29 @@ def bench_row(name: str, g: int, n: int, args: argparse.Namespace, device: torch
         "copies": copies,
         "floor_us": nbytes / args.peak_bw * 1e6,
         "grouped_supported": grouped_gemv_unsupported_reason(first.x, first.weights, first.biases, first.out) is None,
-        "grouped_config": default_launch_config(n, KV_SIZE, HIDDEN, min(g, 16), dtype, device),
+        "grouped_config": (
+            epilogue_launch_config(n, KV_SIZE, HIDDEN, min(g, 16), HEAD_DIM, dtype, device)
+            if args.epilogue
+            else default_launch_config(n, KV_SIZE, HIDDEN, min(g, 16), dtype, device)
+        ),
         "times_us": {},
         "errors": {},
     }
-    candidates = make_candidates(args.configs)
-    # Reference: the concatenated GEMM.
+    candidates = make_candidates(args.configs, args.epilogue)
+    # Reference: the concatenated GEMM (then the materialization kernel).
     candidates["concat"](first)
     ref = first.out.clone()
+    ref_k = first.k_out.clone() if args.epilogue else None
     for cname, fn in candidates.items():
         try:
             first.out.fill_(float("nan"))
+            if args.epilogue:
+                first.k_out.fill_(float("nan"))
             fn(first)
             torch.cuda.synchronize()
             err = rel_error(first.out, ref)
+            if args.epilogue:
+                err = max(err, rel_error(first.k_out, ref_k))
             row["errors"][cname] = err
             if not err < TOLERANCE:
                 log(f"  {name} N={n} {cname}: FAIL (relative error {err:.3g})")
@@ -184,8 +241,8 @@ def bench_row(name: str, g: int, n: int, args: argparse.Namespace, device: torch
             replay = cuda_graphs.capture(run_all)
             row["times_us"][cname] = time_graph(replay, copies, args.replays, args.repeats)
             del replay
-        except (RuntimeError, ValueError, AssertionError) as exc:  # a candidate that cannot run shows "-"
-            # (Triton compile errors and CUDA errors are RuntimeErrors; bad --configs give ValueError/AssertionError)
+        except Exception as exc:  # noqa: BLE001  a candidate that cannot run shows "-"
+            # (Triton compile errors, out-of-resources for large --configs tiles, CUDA errors, bad --configs)
             text = str(exc).splitlines()
             log(f"  {name} N={n} {cname}: {type(exc).__name__}: {text[0][:200] if text else ''}")
             row["times_us"][cname] = None
@@ -199,17 +256,18 @@ def fmt(value: Any) -> str:
 
 
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
-    header = ["workload", "N", *columns, "floor", "grouped/floor", "per_weight/grouped", "config"]
+    baseline = "separate" if "separate" in columns else "per_weight"
+    header = ["workload", "N", *columns, "floor", "grouped/floor", f"{baseline}/grouped", "config"]
     log("| " + " | ".join(header) + " |")
     log("|" + "---|" * len(header))
     for row in rows:
         times = row["times_us"]
         grouped = times.get("grouped")
         ratio = f"{grouped / row['floor_us']:.2f}" if isinstance(grouped, float) else "-"
-        per_weight = times.get("per_weight")
-        speedup = f"{per_weight / grouped:.2f}" if isinstance(grouped, float) and isinstance(per_weight, float) else "-"
+        base = times.get(baseline)
+        speedup = f"{base / grouped:.2f}" if isinstance(grouped, float) and isinstance(base, float) else "-"
         cfg = row["grouped_config"]
-        config = f"T{cfg['BLOCK_T']} N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} W{cfg['num_warps']}"
+        config = f"T{cfg['BLOCK_T']} N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} W{cfg['num_warps']} S{cfg['SPLIT_K']}"
         n = f"{row['N']}" + ("" if row["grouped_supported"] else "*")
         cells = [
             row["workload"],
@@ -257,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         help="extra grouped columns, BLOCK_T:BLOCK_N:BLOCK_K:num_warps[:split_k[:num_stages]] "
         "(0 = heuristic), comma-separated, e.g. 16:0:0:0,0:64:0:8,16:64:128:4:4",
     )
+    parser.add_argument("--epilogue", action="store_true", help="K norm/RoPE in the epilogue (see above)")
     parser.add_argument("--out", default="bench_grouped_gemv.json", help="JSON output path")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -286,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                 times = ", ".join(f"{k} {fmt(v)}" for k, v in row["times_us"].items())
                 log(f"[{name} N={n}] {times}; floor {row['floor_us']:.1f} us ({row['copies']} copies)")
                 torch.cuda.empty_cache()
-    columns = list(make_candidates(args.configs))
+    columns = list(make_candidates(args.configs, args.epilogue))
     log("")
     print_table(rows, columns)
     with open(args.out, "w") as f:

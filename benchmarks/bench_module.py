@@ -20,6 +20,9 @@ shapes, one compile per T; torch._dynamo.reset() between compiled variants):
     fxf            torch.compile(m, backend="fx_fusion")  (options min_layers=--fxf-min-layers, default 1;
                    the pass's fused-layer count is recorded, and "nf" marks a compile where it fused nothing)
     fxf_graph      the same, CUDA-graphed
+    fxf_sep        the same with options gemm_epilogue=False (the K norm/RoPE a kernel of its own after the
+                   grouped GEMM, as before the epilogue)
+    fxf_sep_graph  the same, CUDA-graphed
     fxf_frz        torch.compile(m, backend="fx_fusion") with freezing
     fxf_frz_graph  the same, CUDA-graphed
     floor          max(bytes / copy bandwidth, flops / matmul rate); bytes = x + all K/V weights (+biases)
@@ -72,6 +75,8 @@ COLUMNS = [
     "sglang_graph",
     "fxf",
     "fxf_graph",
+    "fxf_sep",
+    "fxf_sep_graph",
     "fxf_frz",
     "fxf_frz_graph",
 ]
@@ -206,14 +211,17 @@ def floor_us(model, seq_len: int, batch: int, ceilings: dict[str, float]) -> dic
 # Column families
 
 
-def fx_fusion_backend(min_layers: int | None = None):
+def fx_fusion_backend(min_layers: int | None = None, gemm_epilogue: bool = True):
     """The fx_fusion backend: its registered name, or (with options) the callable with options bound."""
     import functools
 
     import fx_fusion.backend as backend_module  # registers "fx_fusion" when no entry point did
 
-    if min_layers is not None:
-        return functools.partial(backend_module.fx_fusion_backend, options={"min_layers": min_layers})
+    options = {} if min_layers is None else {"min_layers": min_layers}
+    if not gemm_epilogue:
+        options["gemm_epilogue"] = False
+    if options:
+        return functools.partial(backend_module.fx_fusion_backend, options=options)
     from torch._dynamo.backends.registry import lookup_backend
 
     try:
@@ -412,6 +420,8 @@ class Bench:
 
         fxf = lambda: fx_fusion_backend(self.args.fxf_min_layers)  # noqa: E731
         self._compiled_family(row, tag, model, x, pos, ref, fxf, False, "fxf", "fxf_graph")
+        fxf_sep = lambda: fx_fusion_backend(self.args.fxf_min_layers, gemm_epilogue=False)  # noqa: E731
+        self._compiled_family(row, tag, model, x, pos, ref, fxf_sep, False, "fxf_sep", "fxf_sep_graph")
         self._compiled_family(row, tag, model, x, pos, ref, fxf, True, "fxf_frz", "fxf_frz_graph")
         del ref, x, pos
         gc.collect()

@@ -4,7 +4,8 @@
     torch.compile(model, backend="fx_fusion", options={"min_layers": 1, "freezing": True})
     torch.compile(model, backend="fx_fusion", mode="reduce-overhead")
 
-Options of the pass: `min_layers` (default 2), `disable` (compile without the pass). Every other option
+Options of the pass: `min_layers` (default 2), `disable` (compile without the pass), `gemm_epilogue`
+(default True; False keeps the K norm/RoPE a kernel of its own after the grouped GEMM). Every other option
 is an Inductor config option, passed through as `torch.compile(options=...)` would. With Inductor
 freezing on, the pass runs on the joint graph, before freezing folds and merges the projection weights.
 """
@@ -18,7 +19,7 @@ from torch._dynamo import list_backends, register_backend
 
 from .fused_kv_pass import FusedKVPass
 
-PASS_OPTIONS = ("min_layers", "disable")
+PASS_OPTIONS = ("min_layers", "disable", "gemm_epilogue")
 
 
 def fx_fusion_backend(
@@ -34,10 +35,11 @@ def fx_fusion_backend(
     inductor_options.update(options or {})
     min_layers = inductor_options.pop("min_layers", 2)
     disable = inductor_options.pop("disable", False)
+    gemm_epilogue = inductor_options.pop("gemm_epilogue", True)
     freezing = inductor_options.get("freezing", torch._inductor.config.freezing)
     stage = "joint" if freezing and not torch.is_grad_enabled() else "post_grad"
     slot = f"{stage}_custom_post_pass"
-    kv_pass = FusedKVPass(min_layers=min_layers, enabled=not disable, stage=stage)
+    kv_pass = FusedKVPass(min_layers=min_layers, enabled=not disable, stage=stage, gemm_epilogue=gemm_epilogue)
     if inductor_options.get(slot) is not None:
         raise ValueError(f"fx_fusion installs its own {slot}; remove it from options")
     inductor_options[slot] = kv_pass

@@ -82,6 +82,8 @@ class PassRecord:
     stage: str = "post_grad"
     ops_inlined: int = 0  # fused op calls replaced by their traced bodies (op_lowering)
     ops_kept: list[str] = dataclasses.field(default_factory=list)  # op calls left opaque, with the reason
+    gemm_epilogues: int = 0  # grouped GEMMs that normalise and rotate their K heads themselves (op_lowering)
+    gemm_epilogue_notes: list[str] = dataclasses.field(default_factory=list)  # why other K norm/RoPE kernels stay
     # copies of the whole graph right before and after the pass, kept only while RecordSink asks for them
     full_graph_before: Optional[torch.fx.Graph] = dataclasses.field(default=None, repr=False, compare=False)
     full_graph_after: Optional[torch.fx.Graph] = dataclasses.field(default=None, repr=False, compare=False)
@@ -94,6 +96,8 @@ class PassRecord:
         )
         if self.ops_inlined:
             text += f", {self.ops_inlined} fused op call(s) handed to Inductor as code"
+        if self.gemm_epilogues:
+            text += f", K norm/RoPE in {self.gemm_epilogues} grouped GEMM(s)"
         if self.ops_kept:
             text += f", {len(self.ops_kept)} kept as op call(s) ({self.ops_kept[0]})"
         if self.rejected:

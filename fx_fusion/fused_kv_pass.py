@@ -83,13 +83,21 @@ prims = torch.ops.prims
 class FusedKVPass(CustomGraphPass):
     """Inductor custom graph pass; use as `post_grad_custom_post_pass` (or via backend="fx_fusion")."""
 
-    def __init__(self, min_layers: int = 2, enabled: bool = True, stage: str = "post_grad", inline_ops: bool = True):
+    def __init__(
+        self,
+        min_layers: int = 2,
+        enabled: bool = True,
+        stage: str = "post_grad",
+        inline_ops: bool = True,
+        gemm_epilogue: bool = True,
+    ):
         if min_layers < 1:
             raise ValueError(f"min_layers must be >= 1, got {min_layers}")
         self.min_layers = min_layers
         self.enabled = enabled
         self.stage = stage  # "post_grad", or "joint" when installed before Inductor freezing
         self.inline_ops = inline_ops  # hand the fused ops to Inductor as code (op_lowering)
+        self.gemm_epilogue = gemm_epilogue  # K norm/RoPE in the grouped GEMM where lowering can
         self.records: list[PassRecord] = []
 
     def __call__(self, graph: torch.fx.Graph) -> None:
@@ -101,7 +109,8 @@ class FusedKVPass(CustomGraphPass):
         if before is not None:  # the rewrite as the report shows it: fused op calls, not yet inlined
             record.full_graph_before, record.full_graph_after = before, copy.deepcopy(graph)
         if self.inline_ops:
-            record.ops_inlined, record.ops_kept = op_lowering.lower_fused_ops(graph)
+            lowered = op_lowering.lower_fused_ops(graph, gemm_epilogue=self.gemm_epilogue)
+            record.ops_inlined, record.ops_kept, record.gemm_epilogues, record.gemm_epilogue_notes = lowered
         self.records.append(record)
         RecordSink.emit(record)
 
@@ -123,7 +132,10 @@ class FusedKVPass(CustomGraphPass):
             fx_fusion.kernels.grouped_linear.__file__,
             fx_fusion.kernels.grouped_gemv.__file__,
         )
-        options = f"min_layers={self.min_layers},enabled={self.enabled},stage={self.stage},inline={self.inline_ops}"
+        options = (
+            f"min_layers={self.min_layers},enabled={self.enabled},stage={self.stage},inline={self.inline_ops},"
+            f"epilogue={self.gemm_epilogue}"
+        )
         return get_hash_for_files(files, extra=options)
 
 
@@ -568,6 +580,8 @@ def _rewrite_group(
 
     x2d = min((p.x2d for p in projections), key=lambda n: list(graph.nodes).index(n))
     norm_weights = [b.norm.weight for b in branches] if first.norm and first.norm.weight is not None else []
+    # One [head_dim] weight per block: the op reads them where they are; else they are gathered into a table.
+    one_weight_per_block = all(b.n_layers == 1 and val(w).dim() == 1 for b, w in zip(branches, norm_weights))
     eps_nodes = [b.norm.eps for b in branches for _ in range(blocks_of[id(b)]) if first.norm and isinstance(b.norm.eps, torch.fx.Node)]
     table_kind, cache_positions = _shared_rotary_tables(branches, same_value)
     if cache_positions is not None:
@@ -607,7 +621,7 @@ def _rewrite_group(
                 norm_weights = [builder.call(
                     aten.full.default, [n_blocks, head_dim], 1.0, dtype=val(x2d).dtype, device=val(x2d).device
                 )]  # fmt: skip
-            elif norm_weights and (len(norm_weights) > 1 or split_heads):  # one [n_blocks, head_dim] table
+            elif norm_weights and (split_heads or (len(norm_weights) > 1 and not one_weight_per_block)):  # a table
                 rows = []  # (the parameters stay where they are)
                 for branch, weight in zip(branches, norm_weights):
                     row = builder.call(aten.reshape.default, weight, [-1, 1, head_dim])

@@ -17,6 +17,7 @@ symbolic sizes and the ops' own validation are exactly those of the graph.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
 
@@ -30,6 +31,8 @@ from torch._subclasses.functional_tensor import (
     dispatch_functionalize,
 )
 from torch.fx.experimental.proxy_tensor import make_fx
+
+logger = logging.getLogger("fx_fusion")
 
 
 def trace_functional(fn: Callable[..., Any], example_inputs: list) -> torch.fx.GraphModule:
@@ -184,12 +187,130 @@ def _body_of(node: torch.fx.Node, bodies: dict):
     return bodies.get(node.target)
 
 
-def lower_fused_ops(graph: torch.fx.Graph) -> tuple[int, list[str]]:
-    """Inline every fx_fusion op call that has a traceable body; returns (how many, why others were kept).
+_VIEWS = frozenset(
+    [torch.ops.aten.slice.Tensor, torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+     torch.ops.aten._unsafe_view.default]
+)  # fmt: skip
 
-    A body that cannot be traced leaves its call in place (still correct, as an opaque op) with the reason.
+
+def _viewed_grouped_linear(node: torch.fx.Node) -> tuple[Optional[torch.fx.Node], list[torch.fx.Node]]:
+    """The grouped_linear call that `node` is a chain of views of (or None), and the chain's nodes."""
+    chain = []
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _VIEWS:
+        chain.append(node)
+        node = node.args[0]
+    if isinstance(node, torch.fx.Node) and node.target is torch.ops.fx_fusion.grouped_linear.default:
+        return node, chain
+    return None, chain
+
+
+def _k_columns(grouped: torch.fx.Node, k_proj: torch.fx.Node, num_heads: int, head_dim: int) -> Optional[tuple]:
+    """(column, block_stride, head_stride) of head h of block b in the grouped output, from the fake values
+    of the output [N, columns] and of k_proj, a view of it [N, blocks, heads * head_dim] or [N, blocks, heads,
+    head_dim]; None unless k_proj's tokens are the output's rows and its elements adjacent."""
+    out, k = grouped.meta.get("val"), k_proj.meta.get("val")
+    if not isinstance(out, torch.Tensor) or not isinstance(k, torch.Tensor) or out.dim() != 2 or k.dim() not in (3, 4):
+        return None
+    sizes = (*out.shape, *out.stride(), out.storage_offset(), *k.shape, *k.stride(), k.storage_offset())
+    if not all(isinstance(v, int) for v in sizes) or not out.is_contiguous():  # symbolic sizes: no guards
+        return None
+    columns = out.shape[1]
+    token_stride, block_stride, element_stride = k.stride()[0], k.stride()[1], k.stride()[-1]
+    head_stride = k.stride()[2] if k.dim() == 4 else head_dim * element_stride
+    if element_stride != 1 or (k.shape[0] != 1 and token_stride != columns):
+        return None
+    if k.shape[1] == 1:  # one block: any stride past the output keeps block 0 the only one
+        block_stride = columns + (-columns) % head_dim
+    if num_heads == 1:  # one head per block: it starts the block
+        head_stride = block_stride
+    return k.storage_offset() - out.storage_offset(), block_stride, head_stride
+
+
+def _hoist_before(anchor: torch.fx.Node, nodes: list[torch.fx.Node], position: dict) -> bool:
+    """Move `nodes`, and what they read that comes after `anchor`, to just before `anchor` (in graph order);
+    False, moving nothing, when one of them reads `anchor` or is not a pure call."""
+    moving, stack = set(), [n for n in nodes if position[n] > position[anchor]]
+    while stack:
+        node = stack.pop()
+        if node in moving:
+            continue
+        if node is anchor or node.op != "call_function" or node.is_impure():
+            return False
+        moving.add(node)
+        stack.extend(n for n in node.all_input_nodes if position[n] > position[anchor])
+    for node in sorted(moving, key=position.__getitem__):
+        anchor.prepend(node)
+    return True
+
+
+def _fuse_k_epilogues(graph: torch.fx.Graph, traces: dict) -> tuple[int, list[str]]:
+    """Lower each grouped_linear call whose K heads a materialize_k call reads (through views) together with
+    that call, as one launch (grouped_linear.grouped_linear_k_epilogue_body); returns how many pairs, and
+    why other materialize_k calls keep their own kernel. Those are lowered one by one."""
+    from fx_fusion.kernels import grouped_linear, ops
+
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    fused, notes = 0, []
+    for node in list(graph.nodes):
+        if node.target is not torch.ops.fx_fusion.materialize_k.default:
+            continue
+        common, _ = ops._common_and_token_major(node.args, node.kwargs)
+        c = ops.CommonArgs(*common)
+        grouped, chain = _viewed_grouped_linear(c.k_proj)
+        if grouped is None or grouped.kwargs:
+            notes.append(f"{node.name}: K is not a view of a grouped_linear output")
+            continue
+        # The launch replaces the grouped_linear call: the norm/RoPE inputs must be ready there.
+        others = [n for n in node.all_input_nodes if n is not c.k_proj]
+        if any(position[n] > position[grouped] for n in others):
+            if not _hoist_before(grouped, others, position):
+                notes.append(f"{node.name}: an input depends on {grouped.name}")
+                continue
+            position = {n: i for i, n in enumerate(graph.nodes)}
+
+        def call(args, kwargs):
+            return grouped_linear.grouped_linear_k_epilogue_body(*args, **kwargs)
+
+        try:
+            k_columns = _k_columns(grouped, c.k_proj, c.num_kv_heads, c.head_dim)
+            if k_columns is None:
+                notes.append(f"{node.name}: K's tokens are not the rows of {grouped.name} (or sizes are symbolic)")
+                continue
+            template = ((*grouped.args, k_columns, *node.args), dict(node.kwargs))
+            key = ("k_epilogue", _signature(grouped), _signature(node), k_columns)
+            traced = traces.get(key)
+            if traced is None:
+                traced = _trace_template(call, template)
+                _check_kernels_only_write_fresh_tensors(traced.graph)
+                traces[key] = traced
+        except Exception as error:  # noqa: BLE001  (NotImplementedError: not served; either way lowered one by one)
+            notes.append(f"{node.name}: {type(error).__name__}: {error}")
+            logger.debug("fx_fusion: %s keeps its own norm/RoPE kernel", node.name, exc_info=True)
+            continue
+        with graph.inserting_before(grouped):
+            projection, k_out = insert_traced(graph, call, template, traced).outputs
+        grouped.replace_all_uses_with(projection)
+        node.replace_all_uses_with(k_out)
+        graph.erase_node(node)
+        for view in chain:  # k_proj's views, read by nothing now
+            if not view.users:
+                graph.erase_node(view)
+        graph.erase_node(grouped)
+        fused += 1
+    return fused, notes
+
+
+def lower_fused_ops(graph: torch.fx.Graph, gemm_epilogue: bool = True) -> tuple[int, list[str], int, list[str]]:
+    """Inline every fx_fusion op call that has a traceable body; returns (how many, why others were kept,
+    how many grouped GEMMs carry the K epilogue, why other K norm/RoPE calls keep their own kernel).
+
+    With `gemm_epilogue`, a grouped_linear and the materialize_k reading its K heads become one launch
+    where it serves them (`_fuse_k_epilogues`). A body that cannot be traced leaves its call in place
+    (still correct, as an opaque op) with the reason.
     """
-    bodies, inlined, kept, traces = _bodies(), 0, [], {}
+    bodies, kept, traces = _bodies(), [], {}
+    epilogues, notes = _fuse_k_epilogues(graph, traces) if gemm_epilogue else (0, [])
+    inlined = 2 * epilogues
     for node in list(graph.nodes):
         found = _body_of(node, bodies)
         if found is None:
@@ -202,4 +323,4 @@ def lower_fused_ops(graph: torch.fx.Graph) -> tuple[int, list[str]]:
             continue
         except Exception as error:  # noqa: BLE001  (any tracing failure: keep the op call)
             kept.append(f"{node.name}: {type(error).__name__}: {error}")
-    return inlined, kept
+    return inlined, kept, epilogues, notes

@@ -39,6 +39,7 @@ import contextlib
 import functools
 import os
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import triton
@@ -47,6 +48,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 MAX_WEIGHTS_PER_LAUNCH = 16
 MAX_TOKENS = 128  # above this, one cuBLAS GEMM per weight is faster (measured on an H200)
+MAX_EPILOGUE_TOKENS = 32  # above this, the K norm/RoPE as a kernel of its own is faster (measured on an H200)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_GRID_COLUMN_BLOCKS = 65535  # CUDA's limit on a grid's second axis, which counts column blocks
 
@@ -81,6 +83,33 @@ def _grouped_gemv_kernel(
     k_per_split,
     stride_ps,
     stride_pn,
+    k_out_ptr,
+    k_column,
+    k_block_stride,
+    k_head_stride,
+    k_blocks,
+    k_heads,
+    stride_kob,
+    stride_kot,
+    stride_koh,
+    stride_kod,
+    n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11, n12, n13, n14, n15,
+    stride_nb,
+    stride_nd,
+    eps_ptr,
+    stride_eps,
+    eps_value,
+    cos_ptr,
+    sin_ptr,
+    positions_ptr,
+    cache_rows,
+    stride_cos_block,
+    stride_cos_row,
+    stride_cos_dim,
+    stride_sin_block,
+    stride_sin_row,
+    stride_sin_dim,
+    stride_positions,
     NUM_WEIGHTS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -89,6 +118,16 @@ def _grouped_gemv_kernel(
     INPUT_PRECISION: tl.constexpr,
     DOT_IN_FLOAT32: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    K_EPILOGUE: tl.constexpr,
+    ROTARY_DIM: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    NUM_NORM_WEIGHTS: tl.constexpr,
+    HAS_EPS_TENSOR: tl.constexpr,
+    USE_POSITIONS: tl.constexpr,
+    NORM_WEIGHT_OFFSET: tl.constexpr,
+    NORM_WEIGHT_IN_FLOAT32: tl.constexpr,
+    NORM_ROUND_BEFORE_ROPE: tl.constexpr,
 ):  # fmt: skip
     """One program: out[tokens, idx * R + rows] for one weight idx, a BLOCK_T x BLOCK_N tile, over the
     features [split * k_per_split, (split + 1) * k_per_split) of its split (all of K when SPLIT_K is 1).
@@ -99,6 +138,8 @@ def _grouped_gemv_kernel(
     stride_ps, stride_pn, 1) and counts itself in arrivals[tile] (int32, zero before the launch);
     the last split to arrive sums the partials in split order (the same sum whatever the arrival order)
     and writes the tile.
+    K_EPILOGUE (BLOCK_N = head_dim): a tile that is one K head also goes through the K norm and RoPE into
+    k_out (`KEpilogue`); the partner element of each dim is re-read from the tile just stored.
     """
     pid_tok = tl.program_id(0) // SPLIT_K  # token blocks (then splits) vary fastest: programs running
     split = tl.program_id(0) % SPLIT_K  # together share a weight tile
@@ -163,6 +204,72 @@ def _grouped_gemv_kernel(
             acc += bias.to(tl.float32)[None, :]
         out_ptrs = out_ptr + tokens.to(tl.int64)[:, None] * stride_on + cols[None, :] * stride_oc
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
+        if K_EPILOGUE:
+            # Which K head this tile is, if any: column = k_column + block * k_block_stride + head * k_head_stride.
+            rel = idx * R + row_start - k_column
+            block = tl.maximum(rel, 0) // k_block_stride
+            head = (rel - block * k_block_stride) // k_head_stride
+            is_head = (rel >= 0) & (block < k_blocks) & (head < k_heads)
+            if is_head & (rel == block * k_block_stride + head * k_head_stride):
+                tl.debug_barrier()  # the raw tile stored by every thread before partners are re-read
+                dims = tl.arange(0, BLOCK_N)
+                rotary = dims < ROTARY_DIM
+                if INTERLEAVED:  # pairs (2j, 2j+1), frequency j
+                    partner = dims ^ 1
+                    first = dims % 2 == 0
+                    freq = dims // 2
+                else:  # rotate half: pairs (j, j + r/2), frequency j
+                    first = dims < ROTARY_DIM // 2
+                    partner = tl.where(first, dims + ROTARY_DIM // 2, dims - ROTARY_DIM // 2)
+                    freq = tl.where(first, dims, dims - ROTARY_DIM // 2)
+                partner = tl.where(rotary, partner, dims)
+                kv_dtype = out_ptr.dtype.element_ty
+                x = acc.to(kv_dtype).to(tl.float32)  # the projection as the graph would read it back
+                partner_cols = (idx * R + row_start).to(tl.int64) + partner
+                partner_ptrs = out_ptr + tokens.to(tl.int64)[:, None] * stride_on + partner_cols[None, :] * stride_oc
+                x_partner = tl.load(partner_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
+                if HAS_NORM:
+                    if HAS_EPS_TENSOR:
+                        eps = tl.load(eps_ptr + block * stride_eps).to(tl.float32)
+                    else:
+                        eps = eps_value
+                    inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / BLOCK_N + eps)[:, None]
+                    if NUM_NORM_WEIGHTS == 1:  # one [blocks, head_dim] table
+                        norm_ptr = n0 + block.to(tl.int64) * stride_nb
+                    else:  # one [head_dim] weight per block
+                        norm_ptr = n0
+                        norms = (n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11, n12, n13, n14, n15)
+                        for i in tl.static_range(1, NUM_NORM_WEIGHTS):
+                            norm_ptr = tl.where(block == i, norms[i], norm_ptr)
+                    w = tl.load(norm_ptr + dims * stride_nd).to(tl.float32) + NORM_WEIGHT_OFFSET
+                    w_partner = tl.load(norm_ptr + partner * stride_nd).to(tl.float32) + NORM_WEIGHT_OFFSET
+                    # round(round(x * inv_rms) * w), or once (NORM_WEIGHT_IN_FLOAT32), or not before RoPE.
+                    normed_dtype = tl.float32 if NORM_WEIGHT_IN_FLOAT32 else kv_dtype
+                    weighted_dtype = kv_dtype if NORM_ROUND_BEFORE_ROPE else tl.float32
+                    x = ((x * inv_rms).to(normed_dtype).to(tl.float32) * w[None, :]).to(weighted_dtype).to(tl.float32)
+                    x_partner = (x_partner * inv_rms).to(normed_dtype).to(tl.float32) * w_partner[None, :]
+                    x_partner = x_partner.to(weighted_dtype).to(tl.float32)
+                rot_mask = tok_mask[:, None] & rotary[None, :]
+                if USE_POSITIONS:  # a cos/sin cache row per token: cos of frequency j at j, its sin at r/2 + j
+                    positions = tl.load(positions_ptr + tokens.to(tl.int64) * stride_positions, mask=tok_mask, other=0)
+                    positions = tl.minimum(tl.maximum(positions.to(tl.int64), 0), cache_rows - 1)
+                    cos_ptrs = cos_ptr + positions[:, None] * stride_cos_row + freq[None, :] * stride_cos_dim
+                    sin_ptrs = cos_ptrs + (ROTARY_DIM // 2) * stride_cos_dim
+                else:  # per-token tables (one per block, or shared: block stride 0)
+                    token_rows = tokens.to(tl.int64)[:, None]
+                    cos_ptrs = cos_ptr + block.to(tl.int64) * stride_cos_block + token_rows * stride_cos_row
+                    cos_ptrs += dims[None, :] * stride_cos_dim
+                    sin_ptrs = sin_ptr + block.to(tl.int64) * stride_sin_block + token_rows * stride_sin_row
+                    sin_ptrs += dims[None, :] * stride_sin_dim
+                cos = tl.load(cos_ptrs, mask=rot_mask, other=1.0).to(tl.float32)
+                sin = tl.load(sin_ptrs, mask=rot_mask, other=0.0).to(tl.float32)
+                signed_partner = tl.where(first, -x_partner, x_partner)
+                k = tl.where(rotary[None, :], x * cos + signed_partner * sin, x)
+                k_ptrs = (
+                    k_out_ptr + block.to(tl.int64) * stride_kob + tokens.to(tl.int64)[:, None] * stride_kot
+                    + head.to(tl.int64) * stride_koh + dims[None, :] * stride_kod
+                )
+                tl.store(k_ptrs, k.to(k_out_ptr.dtype.element_ty), mask=tile_mask)
 
 
 # One kernel source, two front ends: compiled for CUDA tensors, interpreted (numpy) for CPU tensors.
@@ -172,7 +279,7 @@ grouped_gemv_kernel_interpreted = InterpretedFunction(_grouped_gemv_kernel)
 
 
 # The kernel's helpers from triton.language that are themselves `@triton.jit` functions.
-_JIT_HELPERS = ("cdiv", "zeros")
+_JIT_HELPERS = ("cdiv", "zeros", "sum")
 
 
 @contextlib.contextmanager
@@ -254,6 +361,57 @@ def grouped_gemv_supported(
     return grouped_gemv_unsupported_reason(x, weights, biases, out) is None
 
 
+class KEpilogue(NamedTuple):
+    """K heads among the output columns, normalised and rotated as the tiles holding them are written.
+
+    Head h of block b is out[:, column + b * block_stride + h * head_stride :][:, :head_dim]; it also goes,
+    through the math of `fused_kv_materialize` (per-head RMSNorm, then RoPE on the first rotary_dim dims), to
+
+        k_out: [n_blocks, N, heads, head_dim]   any strides, out's dtype
+
+    norm_weights: [] (no norm), [table] with table [n_blocks, head_dim], or n_blocks (<= 16) tensors of
+    [head_dim]; eps: [n_blocks] float tensor or None (eps_value); cos / sin: per-token tables [N,
+    rotary_dim] or [n_blocks, N, rotary_dim] (sin None with positions: cos is then a cos/sin cache
+    [max_pos, rotary_dim] read at positions [N]); the rest as in `launch_fused_kv_materialize`.
+    """
+
+    k_out: torch.Tensor
+    column: int
+    block_stride: int
+    head_stride: int
+    norm_weights: Sequence[torch.Tensor]
+    eps: torch.Tensor | None
+    eps_value: float
+    cos: torch.Tensor
+    sin: torch.Tensor | None
+    positions: torch.Tensor | None
+    rotary_dim: int
+    interleaved: bool
+    norm_weight_offset: float
+    norm_weight_in_float32: bool
+    norm_round_before_rope: bool
+
+
+def k_epilogue_unsupported_reason(rows: int, n_columns: int, epilogue: KEpilogue, out: torch.Tensor) -> str | None:
+    """None when tiles of whole heads can carry `epilogue` over weights of `rows` rows, else why not. The
+    tensors' shapes and dtypes are the caller's to validate (`ops.validate_materialize_args`)."""
+    e = epilogue
+    n_blocks, _, heads, head_dim = e.k_out.shape
+    if head_dim < 16 or head_dim & (head_dim - 1) or head_dim > 256:
+        return f"head_dim {head_dim} is not a power of 2 in [16, 256]"
+    if rows % head_dim or e.column % head_dim or e.block_stride % head_dim or e.head_stride % head_dim:
+        return "K heads do not start on head_dim-aligned columns of one weight"
+    if (heads > 1 and e.head_stride < head_dim) or (n_blocks > 1 and e.block_stride < heads * e.head_stride):
+        return "K heads overlap"
+    if e.column < 0 or e.column + (n_blocks - 1) * e.block_stride + (heads - 1) * e.head_stride + head_dim > n_columns:
+        return "K heads outside the output"
+    if e.k_out.dtype != out.dtype or e.k_out.device != out.device:
+        return "k_out differs from out in dtype or device"
+    if len(e.norm_weights) > MAX_WEIGHTS_PER_LAUNCH:
+        return f"more than {MAX_WEIGHTS_PER_LAUNCH} separate norm weights"
+    return None
+
+
 # --------------------------------------------------------------------------------------------------------
 # Launch
 # --------------------------------------------------------------------------------------------------------
@@ -309,6 +467,67 @@ def default_launch_config(
     return {"BLOCK_T": block_t, "BLOCK_N": block_n, "BLOCK_K": min(block_k, k_cap), "num_warps": 4, "SPLIT_K": 1}
 
 
+def epilogue_launch_config(
+    n: int, rows: int, k: int, n_weights: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> dict[str, int]:
+    """The launch for the K epilogue: tiles one head wide (BLOCK_N = head_dim), BLOCK_T as in
+    `default_launch_config`, BLOCK_K SPLIT_BLOCK_K_BYTES of a weight row, and K split over programs when
+    fewer programs than SMs would stream weights: up to 8 splits for up to 16 tokens, up to 4 past that and
+    only below half the SMs. From a sweep on an H200 (benchmarks/RESULTS.md): 5 layers' K and V (80 head
+    tiles) at T = 1 26.3 us with 2 splits (27.3 unsplit, 27.4 with 4); one layer (16 head tiles) 10.1 us
+    with 8 (22.1 unsplit); at 64 tokens 5 layers unsplit (31.4 against 36.5 with 2), one layer 4 splits."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    block_t = max(MIN_BLOCK_T, min(triton.next_power_of_2(max(n, 1)), 64))
+    block_k = min(SPLIT_BLOCK_K_BYTES // element_size, max(16, triton.next_power_of_2(k)))
+    config = {"BLOCK_T": block_t, "BLOCK_N": head_dim, "BLOCK_K": block_k, "num_warps": 4, "SPLIT_K": 1}
+    if device.type != "cuda":
+        return config
+    programs = triton.cdiv(n, block_t) * n_weights * triton.cdiv(rows, head_dim)
+    sms = _sm_count(device.index if device.index is not None else 0)
+    if n <= 16 and programs < sms:
+        config["SPLIT_K"] = min(8, triton.cdiv(sms, programs))
+    elif n > 16 and programs < sms // 2:
+        config["SPLIT_K"] = min(4, triton.cdiv(sms, programs))
+    return config
+
+
+def _epilogue_arguments(epilogue: KEpilogue | None, column_shift: int, fallback: torch.Tensor) -> tuple[tuple, dict]:
+    """The kernel's K-epilogue arguments and constexprs, with the K columns shifted by `column_shift` (a
+    later launch's first column). Without an epilogue: stand-ins (any valid pointer, no K heads)."""
+    if epilogue is None:
+        zeros4 = (0, 0, 0, 0)
+        args = (fallback, 0, 1, 1, 0, 0, *zeros4, *(fallback,) * MAX_WEIGHTS_PER_LAUNCH, 0, 0, fallback, 0, 0.0)
+        args += (fallback, fallback, fallback, 0, *(0,) * 7)
+        return args, dict(
+            K_EPILOGUE=False, ROTARY_DIM=2, INTERLEAVED=False, HAS_NORM=False, NUM_NORM_WEIGHTS=1,
+            HAS_EPS_TENSOR=False, USE_POSITIONS=False, NORM_WEIGHT_OFFSET=0.0, NORM_WEIGHT_IN_FLOAT32=False,
+            NORM_ROUND_BEFORE_ROPE=True,
+        )  # fmt: skip
+    e = epilogue
+    n_blocks, _, heads, _ = e.k_out.shape
+    norms = list(e.norm_weights) or [e.k_out]
+    table = len(norms) == 1 and norms[0].dim() == 2
+    positions = e.positions is not None
+    per_token_strides = lambda t: (0, *t.stride()) if t.dim() == 2 else t.stride()  # noqa: E731
+    args = (
+        e.k_out, e.column - column_shift, e.block_stride, e.head_stride, n_blocks, heads, *e.k_out.stride(),
+        *norms, *[norms[0]] * (MAX_WEIGHTS_PER_LAUNCH - len(norms)),
+        *(norms[0].stride() if table else (0, norms[0].stride(0))),
+        e.eps if e.eps is not None else e.k_out, e.eps.stride(0) if e.eps is not None else 0, float(e.eps_value),
+        e.cos, e.cos if positions else e.sin, e.positions if positions else e.k_out,
+        e.cos.shape[0] if positions else 0,
+        *((0, *e.cos.stride()) if positions else per_token_strides(e.cos)),
+        *((0, 0, 0) if positions else per_token_strides(e.sin)),
+        e.positions.stride(0) if positions else 0,
+    )  # fmt: skip
+    return args, dict(
+        K_EPILOGUE=True, ROTARY_DIM=e.rotary_dim, INTERLEAVED=e.interleaved, HAS_NORM=bool(e.norm_weights),
+        NUM_NORM_WEIGHTS=1 if table else len(norms), HAS_EPS_TENSOR=e.eps is not None, USE_POSITIONS=positions,
+        NORM_WEIGHT_OFFSET=float(e.norm_weight_offset), NORM_WEIGHT_IN_FLOAT32=e.norm_weight_in_float32,
+        NORM_ROUND_BEFORE_ROPE=e.norm_round_before_rope,
+    )  # fmt: skip
+
+
 def launch_grouped_gemv(
     x: torch.Tensor,
     weights: Sequence[torch.Tensor],
@@ -321,9 +540,12 @@ def launch_grouped_gemv(
     num_warps: int | None = None,
     split_k: int | None = None,
     num_stages: int | None = None,
+    k_epilogue: KEpilogue | None = None,
     traceable: bool = False,
 ) -> None:
-    """out[:, i*R:(i+1)*R] = x @ weights[i].T (+ biases[i]) for every i, in one launch per 16 weights.
+    """out[:, i*R:(i+1)*R] = x @ weights[i].T (+ biases[i]) for every i, in one launch per 16 weights;
+    with `k_epilogue`, the K heads among those columns also normalised and rotated into its k_out (check
+    `k_epilogue_unsupported_reason` first; block_n is then the head dim).
 
     Arguments as in the module docstring; call `grouped_gemv_supported` first (not re-checked here; any N
     works, but beyond MAX_TOKENS the weights are read once per BLOCK_T tokens). CPU tensors run through
@@ -343,9 +565,13 @@ def launch_grouped_gemv(
         chunk_b = list(biases[start : start + MAX_WEIGHTS_PER_LAUNCH]) if biases else []
         g = len(chunk_w)
         chunk_out = out if g == len(weights) else out[:, start * rows : (start + g) * rows]
-        config = default_launch_config(n, rows, k, g, w.dtype, x.device)
+        if k_epilogue is None:
+            config = default_launch_config(n, rows, k, g, w.dtype, x.device)
+        else:
+            config = epilogue_launch_config(n, rows, k, g, k_epilogue.k_out.shape[-1], w.dtype, x.device)
         overrides = {
-            "BLOCK_T": block_t, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": num_warps, "SPLIT_K": split_k,
+            "BLOCK_T": block_t, "BLOCK_N": block_n if k_epilogue is None else None, "BLOCK_K": block_k,
+            "num_warps": num_warps, "SPLIT_K": split_k,
             "num_stages": num_stages,
         }  # fmt: skip
         config.update({key: value for key, value in overrides.items() if value is not None})
@@ -387,6 +613,8 @@ def launch_grouped_gemv(
             partial.stride(0) if config["SPLIT_K"] > 1 else 0,
             partial.stride(1) if config["SPLIT_K"] > 1 else 0,
         )
+        epilogue_args, epilogue_meta = _epilogue_arguments(k_epilogue, start * rows, x)
+        args += epilogue_args
         # The interpreter's tl.dot multiplies bfloat16's raw uint16 storage: there, bfloat16 tiles are
         # widened to float32 first (exact products) and multiplied with input_precision="ieee".
         dot_in_float32 = interpret and w.dtype == torch.bfloat16
@@ -397,6 +625,7 @@ def launch_grouped_gemv(
             INPUT_PRECISION="ieee" if w.dtype == torch.float32 or dot_in_float32 else "tf32",
             DOT_IN_FLOAT32=dot_in_float32,
             **config,
+            **epilogue_meta,
         )
         if interpret:
             with _interpretable_helpers():

@@ -20,7 +20,16 @@ from typing import Sequence
 
 import torch
 
-from .grouped_gemv import grouped_gemv_supported, launch_grouped_gemv
+from . import ops
+from .grouped_gemv import (
+    MAX_EPILOGUE_TOKENS,
+    MAX_WEIGHTS_PER_LAUNCH,
+    KEpilogue,
+    grouped_gemv_supported,
+    grouped_gemv_unsupported_reason,
+    k_epilogue_unsupported_reason,
+    launch_grouped_gemv,
+)
 
 _library = torch.library.Library("fx_fusion", "FRAGMENT")
 _library.define("grouped_linear(Tensor x, Tensor[] weights, Tensor[] biases) -> Tensor")
@@ -80,3 +89,49 @@ def grouped_linear_body(x: torch.Tensor, weights: list[torch.Tensor], biases: li
 @torch.library.register_fake("fx_fusion::grouped_linear")
 def _(x, weights, biases):
     return x.new_empty((x.shape[0], sum(w.shape[0] for w in weights)))
+
+
+def grouped_linear_k_epilogue_body(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor],
+    k_columns: tuple[int, int, int],
+    *materialize_args,
+    **materialize_kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `fx_fusion.op_lowering` traces in place of a grouped_linear call and the materialize_k call
+    that reads its K heads: one launch of the grouped kernel whose tiles of K heads also go through the K
+    norm and RoPE (`grouped_gemv.KEpilogue`), so K is not read back from memory by a second kernel.
+
+    k_columns = (column, block_stride, head_stride): where materialize_k's k_proj, a view of the grouped
+    output [N, columns], finds head h of block b (column + b * block_stride + h * head_stride). The other
+    arguments are the two calls' own. Returns (the grouped output, materialize_k's output). Raises
+    NotImplementedError where the fused launch does not serve the call (not CUDA, a symbolic or too large
+    token count, heads not tile-aligned): the two calls are then lowered one by one.
+    """
+    common, token_major = ops._common_and_token_major(materialize_args, materialize_kwargs)
+    ops._validate(common)
+    c = ops.CommonArgs(*common)
+    if not x.is_cuda or isinstance(x.shape[0], torch.SymInt) or x.shape[0] > MAX_EPILOGUE_TOKENS:
+        raise NotImplementedError(f"the fused launch serves CUDA tensors with up to {MAX_EPILOGUE_TOKENS} tokens")
+    n_tokens, n_blocks = c.k_proj.shape[:2]
+    out = x.new_empty((n_tokens, sum(w.shape[0] for w in weights)))
+    # Allocated from x: k_proj, a view of the grouped output this launch replaces, is only described.
+    if token_major:
+        k_out = x.new_empty((n_tokens, n_blocks, c.num_kv_heads, c.head_dim)).transpose(0, 1)
+    else:
+        k_out = x.new_empty((n_blocks, n_tokens, c.num_kv_heads, c.head_dim))
+    blocks, bias_blocks = equal_row_blocks(weights, biases)
+    norm_weights = list(c.k_norm_weight)
+    if len(norm_weights) > MAX_WEIGHTS_PER_LAUNCH or len({w.stride() for w in norm_weights}) > 1:
+        norm_weights = [ops._stacked_norm_weight(norm_weights, c.k_proj.shape[1], c.head_dim)]
+    epilogue = KEpilogue(
+        k_out, *k_columns, norm_weights, c.eps, c.eps_value, c.cos, c.sin, c.positions, c.rotary_dim,
+        c.interleaved, c.norm_weight_offset, c.norm_weight_in_float32, c.norm_round_before_rope,
+    )  # fmt: skip
+    reason = grouped_gemv_unsupported_reason(x, blocks, bias_blocks, out)
+    reason = reason or k_epilogue_unsupported_reason(blocks[0].shape[0], out.shape[1], epilogue, out)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    launch_grouped_gemv(x, blocks, bias_blocks, out, k_epilogue=epilogue, traceable=True)
+    return out, k_out

@@ -5,7 +5,8 @@
 Runs the Triton kernel on the inputs most likely to go out of bounds (cache edges, out-of-range positions
 inside torch.compile, strided and padded heads, per-layer cos/sin tables, 4-D projections whose heads sit
 apart in a per-group QKV buffer, tiny shapes) and compares every result with the float64 reference of
-tests/test_fused_kv_op.py, plus the KV-cache writes of tests/test_cache_writes.py. Exits nonzero on any mismatch; memcheck reports bad accesses.
+tests/test_fused_kv_op.py, plus the KV-cache writes of tests/test_cache_writes.py and the grouped GEMM's K
+epilogue of tests/test_k_epilogue.py. Exits nonzero on any mismatch; memcheck reports bad accesses.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import sys
 import torch
 
 from test_cache_writes import LAYOUTS, check_cache_write
+from test_k_epilogue import CASES as EPILOGUE_CASES
+from test_k_epilogue import Case as EpilogueCase
+from test_k_epilogue import run_case as check_k_epilogue
 from test_fused_kv_op import Case, check_all_variants, make_inputs, reference, assert_close_to_reference
 
 from fx_fusion.kernels.grouped_gemv import grouped_gemv_supported, grouped_linear_reference, launch_grouped_gemv
@@ -115,6 +119,12 @@ def main() -> int:
         for dtype in (torch.bfloat16, torch.float8_e4m3fn):
             checks[f"cache-write-{layout}-{str(dtype)[6:]}"] = functools.partial(check_cache_write, layout, dtype, "cuda")
     checks["cache-write-11-layers"] = functools.partial(check_cache_write, "static", torch.bfloat16, "cuda", n_layers=11)
+    for name in ("one_token", "partial_token_tile", "two_launches", "split_k", "qkv_groups", "token_major",
+                 "positions_interleaved", "partial_rotary", "per_layer_tables", "bias"):  # fmt: skip
+        checks[f"k-epilogue-{name}"] = functools.partial(check_k_epilogue, EPILOGUE_CASES[name], "cuda")
+    for tokens in (1, 100):  # real widths: the heuristic's K splits and 64-token tiles
+        real = EpilogueCase(tokens=tokens, layers=5, heads=8, head_dim=128, hidden=4096)
+        checks[f"k-epilogue-5-layers-{tokens}-tokens"] = functools.partial(check_k_epilogue, real, "cuda")
     for name, check in checks.items():
         try:
             check()

@@ -1,0 +1,349 @@
+"""Tests of the grouped GEMM's K epilogue (`grouped_gemv.KEpilogue`): K heads normalised and rotated as the
+tiles holding them are written, and of its lowering (`op_lowering._fuse_k_epilogues`).
+
+Kernel cases run through the interpreter (CPU, TRITON_INTERPRET=1) and compiled (CUDA, skipped without a
+GPU). The projection is compared with a float64 reference; k_out with float64 norm/RoPE math on the
+kernel's own (rounded) projection, and with the materialization kernel run on that projection on the same
+backend, within one rounding at the head's scale (the two kernels sum the squares of a head in different
+orders). Outputs start as NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from fx_fusion import drafts
+from fx_fusion.diagnostics import RecordSink
+from fx_fusion.kernels import grouped_gemv
+from fx_fusion.kernels.fused_kv_materialize import launch_fused_kv_materialize
+from fx_fusion.kernels.grouped_gemv import KEpilogue, k_epilogue_unsupported_reason, launch_grouped_gemv
+from fx_fusion.op_lowering import _k_columns
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+BACKENDS = [
+    pytest.param("interpret", id="cpu-triton-interpret"),
+    pytest.param("cuda", id="cuda", marks=[CUDA, pytest.mark.gpu]),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def device(request, monkeypatch) -> str:
+    if request.param == "interpret":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        return "cpu"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    return "cuda"
+
+
+@dataclasses.dataclass
+class Case:
+    tokens: int = 3
+    layers: int = 3
+    heads: int = 2
+    head_dim: int = 16
+    hidden: int = 40
+    dtype: torch.dtype = torch.bfloat16
+    interleaved: bool = False
+    rotary_dim: int | None = None  # None: head_dim
+    norm: str = "list"  # "list" (one weight per layer), "table" ([layers, head_dim]), "none"
+    tables: str = "shared"  # "shared" per-token cos/sin, "per_layer", "positions" (cos/sin cache)
+    eps_tensor: bool = False
+    weight_in_float32: bool = False
+    round_before_rope: bool = True
+    # "kv": per layer [K, V] weights; "k_then_v": every K then every V; "qkv_groups": per layer one weight
+    # [Q0 K0 V0 Q1 K1 V1 ...] by heads (K heads 3 head_dims apart)
+    layout: str = "kv"
+    bias: bool = False
+    token_major: bool = False
+    split_k: int | None = None
+
+
+def weights_and_columns(case: Case, gen, device):
+    """The grouped weights and (column, block_stride, head_stride) of K head h of layer l."""
+    hd = case.heads * case.head_dim
+
+    def randn(*shape):
+        return (torch.randn(*shape, generator=gen) / 6).to(case.dtype).to(device)
+
+    if case.layout == "kv":
+        weights = [randn(hd, case.hidden) for _ in range(2 * case.layers)]
+        return weights, (0, 2 * hd, case.head_dim)
+    if case.layout == "k_then_v":
+        weights = [randn(hd, case.hidden) for _ in range(2 * case.layers)]
+        return weights, (0, hd, case.head_dim)
+    weights = [randn(3 * hd, case.hidden) for _ in range(case.layers)]
+    return weights, (case.head_dim, 3 * hd, 3 * case.head_dim)
+
+
+def make_inputs(case: Case, device: str, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    rotary_dim = case.rotary_dim or case.head_dim
+    x = torch.randn(case.tokens, case.hidden, generator=gen).to(case.dtype).to(device)
+    weights, columns = weights_and_columns(case, gen, device)
+    biases = [(torch.randn(w.shape[0], generator=gen) / 4).to(case.dtype).to(device) for w in weights] if case.bias else []
+    norm_rows = (torch.randn(case.layers, case.head_dim, generator=gen) / 4 + 1).to(case.dtype).to(device)
+    norm_weights = {"list": list(norm_rows), "table": [norm_rows], "none": []}[case.norm]
+    eps = (torch.rand(case.layers, generator=gen) * 1e-2).to(device) if case.eps_tensor else None
+    positions = None
+    if case.tables == "positions":
+        angles = torch.rand(64, rotary_dim // 2, generator=gen) * 6
+        cos, sin = torch.cat([angles.cos(), angles.sin()], dim=-1).to(device), None
+        positions = torch.randint(0, 64, (case.tokens,), generator=gen).to(device)
+    else:
+        shape = (case.layers, case.tokens, rotary_dim) if case.tables == "per_layer" else (case.tokens, rotary_dim)
+        angles = torch.rand(*shape, generator=gen) * 6
+        cos, sin = angles.cos().to(case.dtype).to(device), angles.sin().to(case.dtype).to(device)
+    return x, weights, biases, columns, norm_rows, norm_weights, eps, cos, sin, positions
+
+
+def k_view(out: torch.Tensor, case: Case, columns) -> torch.Tensor:
+    """K heads of the grouped output as [tokens, layers, heads, head_dim]."""
+    column, block_stride, head_stride = columns
+    return out.as_strided(
+        (case.tokens, case.layers, case.heads, case.head_dim),
+        (out.stride(0), block_stride, head_stride, 1),
+        out.storage_offset() + column,
+    )
+
+
+def float64_k(k: torch.Tensor, case: Case, norm_rows, eps, cos, sin, positions) -> torch.Tensor:
+    """Norm + RoPE in float64, no intermediate rounding: [layers, tokens, heads, head_dim]."""
+    rotary_dim, half = case.rotary_dim or case.head_dim, (case.rotary_dim or case.head_dim) // 2
+    k = k.double()
+    if case.norm != "none":
+        eps64 = eps.double().view(1, -1, 1, 1) if eps is not None else 1e-6
+        weight = norm_rows.double().view(1, case.layers, 1, -1) + 0.5
+        k = k * torch.rsqrt(k.square().mean(-1, keepdim=True) + eps64) * weight
+    if positions is not None:
+        rows = cos[positions.long()].double()
+        c, s = rows[:, :half], rows[:, half:]
+        c, s = (t.repeat_interleave(2, -1) if case.interleaved else torch.cat([t, t], -1) for t in (c, s))
+        c, s = c[:, None, None], s[:, None, None]
+    elif cos.dim() == 3:
+        c, s = cos.double().transpose(0, 1)[:, :, None], sin.double().transpose(0, 1)[:, :, None]
+    else:
+        c, s = cos.double()[:, None, None], sin.double()[:, None, None]
+    rot = k[..., :rotary_dim]
+    if case.interleaved:
+        partner = torch.stack([-rot[..., 1::2], rot[..., 0::2]], dim=-1).flatten(-2)
+    else:
+        partner = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    return torch.cat([rot * c + partner * s, k[..., rotary_dim:]], dim=-1).transpose(0, 1)
+
+
+def run_case(case: Case, device: str) -> None:
+    x, weights, biases, columns, norm_rows, norm_weights, eps, cos, sin, positions = make_inputs(case, device)
+    n_columns = sum(w.shape[0] for w in weights)
+    out = torch.full((case.tokens, n_columns), float("nan"), dtype=case.dtype, device=device)
+    shape = (case.layers, case.tokens, case.heads, case.head_dim)
+    if case.token_major:
+        k_out = torch.full((case.tokens, case.layers, case.heads, case.head_dim), float("nan"), dtype=case.dtype, device=device).transpose(0, 1)
+    else:
+        k_out = torch.full(shape, float("nan"), dtype=case.dtype, device=device)
+    rotary_dim = case.rotary_dim or case.head_dim
+    offset = 0.5 if case.norm != "none" else 0.0
+    epilogue = KEpilogue(
+        k_out, *columns, norm_weights, eps, 1e-6, cos, sin, positions, rotary_dim, case.interleaved, offset,
+        case.weight_in_float32, case.round_before_rope,
+    )  # fmt: skip
+    assert k_epilogue_unsupported_reason(weights[0].shape[0], n_columns, epilogue, out) is None
+    launch_grouped_gemv(x, weights, biases, out, k_epilogue=epilogue, split_k=case.split_k)
+
+    expected = torch.cat([x.double() @ w.double().t() for w in weights], dim=1)
+    if biases:
+        expected += torch.cat(biases).double()
+    tolerance = 1e-5 if case.dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
+
+    k = k_view(out, case, columns)
+    reference = float64_k(k, case, norm_rows if case.norm != "none" else None, eps, cos, sin, positions)
+    torch.testing.assert_close(k_out.double(), reference, rtol=2 * tolerance, atol=2 * tolerance)
+
+    materialized = torch.full(shape, float("nan"), dtype=case.dtype, device=device)
+    table = norm_rows if case.norm != "none" else None
+    launch_fused_kv_materialize(
+        k, None, table, eps, 1e-6, cos, sin, positions, materialized, None, case.heads, case.head_dim, rotary_dim,
+        case.interleaved, offset, case.weight_in_float32, case.round_before_rope, interpret=device == "cpu",
+    )  # fmt: skip
+    # The kernels sum a head's squares in different orders, so a normalised element may round one way in one
+    # and the other way in the other: apart by at most one rounding at the scale of the head's largest
+    # element (RoPE mixes two elements, so a small output can carry its inputs' rounding).
+    materialized = materialized.double()
+    relative = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 2**-20}[case.dtype]
+    bound = materialized.abs().amax(-1, keepdim=True) * relative
+    assert ((k_out.double() - materialized).abs() <= bound).all()
+
+
+CASES = {
+    "neox": Case(),
+    "interleaved": Case(interleaved=True),
+    "partial_rotary": Case(rotary_dim=8),
+    "partial_rotary_interleaved": Case(rotary_dim=8, interleaved=True),
+    "norm_table": Case(norm="table"),
+    "no_norm": Case(norm="none"),
+    "positions": Case(tables="positions"),
+    "positions_interleaved": Case(tables="positions", interleaved=True),
+    "per_layer_tables": Case(tables="per_layer"),
+    "eps_tensor": Case(eps_tensor=True),
+    "weight_in_float32": Case(weight_in_float32=True),
+    "float32_through_rope": Case(weight_in_float32=True, round_before_rope=False),
+    "float32": Case(dtype=torch.float32),
+    "float16": Case(dtype=torch.float16),
+    "one_token": Case(tokens=1),
+    "partial_token_tile": Case(tokens=17),
+    "k_then_v": Case(layout="k_then_v"),
+    "qkv_groups": Case(layout="qkv_groups", heads=3),
+    "bias": Case(bias=True),
+    "token_major": Case(token_major=True),
+    "split_k": Case(split_k=3, hidden=200),
+    "two_launches": Case(layers=9, tokens=2),  # 18 weights: K heads in both launches of 16 and 2
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_epilogue_matches_references(name: str, device: str) -> None:
+    run_case(CASES[name], device)
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("tokens", [1, 16, 100])
+def test_epilogue_at_real_widths(tokens: int, monkeypatch) -> None:
+    """Qwen3-8B-like widths on CUDA: 5 layers of 8 heads x 128 over hidden 4096, the launch heuristic's
+    own tiles and K splits."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    run_case(Case(tokens=tokens, layers=5, heads=8, head_dim=128, hidden=4096), "cuda")
+
+
+def _epilogue(k_out, columns=(0, 64, 16), norm_weights=()):
+    cos = torch.ones(k_out.shape[1], 16)
+    return KEpilogue(k_out, *columns, list(norm_weights), None, 1e-6, cos, cos, None, 16, False, 0.0, False, True)
+
+
+@pytest.mark.parametrize(
+    "name, epilogue, rows, reason",
+    [
+        ("head_dim_not_power_of_2", _epilogue(torch.empty(2, 3, 2, 24), (0, 96, 24)), 48, "power of 2"),
+        ("misaligned_column", _epilogue(torch.empty(2, 3, 2, 16), (8, 64, 16)), 32, "aligned"),
+        ("weights_not_whole_heads", _epilogue(torch.empty(2, 3, 2, 16)), 40, "aligned"),
+        ("overlapping_heads", _epilogue(torch.empty(2, 3, 2, 16), (0, 16, 16)), 32, "overlap"),
+        ("heads_past_the_output", _epilogue(torch.empty(2, 3, 2, 16), (64, 64, 16)), 32, "outside"),
+        ("too_many_norm_weights", _epilogue(torch.empty(2, 3, 2, 16), norm_weights=[torch.ones(16)] * 17), 32, "norm"),
+    ],
+)
+def test_unsupported_epilogues(name, epilogue, rows, reason) -> None:
+    out = torch.empty(3, 128)
+    assert reason in k_epilogue_unsupported_reason(rows, out.shape[1], epilogue, out)
+
+
+def _fake_node(value: torch.Tensor) -> torch.fx.Node:
+    graph = torch.fx.Graph()
+    node = graph.placeholder("x")
+    node.meta["val"] = value
+    return node
+
+
+@pytest.mark.parametrize(
+    "view, heads, expected",
+    [
+        (lambda out: out[:, :192].view(3, 3, 64)[:, :, :32], 2, (0, 64, 16)),  # [K V] per layer
+        (lambda out: out[:, 32:128].view(3, 2, 48).view(3, 2, 3, 16)[:, :, :2], 2, (32, 48, 16)),
+        (lambda out: out[:, 16:144].view(3, 2, 64)[:, :, :48].view(3, 2, 3, 16)[:, :, :2], 2, (16, 64, 16)),
+        (lambda out: out[:, 64:96].view(3, 1, 32), 2, (64, 224, 16)),  # one block: stride past the output
+        (lambda out: out[:, :192].view(3, 6, 32)[:, :, :16], 1, (0, 32, 32)),  # one head per block
+    ],
+)
+def test_k_columns_from_fake_values(view, heads, expected) -> None:
+    with torch._subclasses.FakeTensorMode():
+        out = torch.empty(3, 224)
+        k = view(out)
+        assert _k_columns(_fake_node(out), _fake_node(k), heads, 16) == expected
+
+
+def test_k_columns_need_the_output_rows_as_tokens() -> None:
+    with torch._subclasses.FakeTensorMode():
+        out = torch.empty(4, 64)
+        strided_tokens = out[::2].view(2, 2, 32)[:, :, :16]  # token stride of two rows
+        assert _k_columns(_fake_node(out), _fake_node(strided_tokens), 1, 16) is None
+        one_token = out[:1].view(1, 2, 32)[:, :, :16]
+        assert _k_columns(_fake_node(out[:1]), _fake_node(one_token), 1, 16) == (0, 32, 32)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Compiled drafts (CUDA): the epilogue reaches Inductor's code
+# --------------------------------------------------------------------------------------------------------
+
+
+def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("graphed", [False, True], ids=["plain", "cudagraphs"])
+@pytest.mark.parametrize("family, n_layers, tokens", [("qwen3", 5, 1), ("qwen3", 1, 16), ("llama", 3, 32)])
+def test_compiled_draft_runs_one_kernel_for_its_context_kv(family, n_layers, tokens, graphed) -> None:
+    """The grouped GEMM normalises and rotates K itself: Inductor's code launches the grouped kernel and no
+    materialization kernel; the results match eager and the run without the epilogue."""
+    build = drafts.qwen3_context_kv if family == "qwen3" else drafts.llama_context_kv
+    module = build(n_layers, hidden_size=2048, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, device="cuda")
+    inputs = drafts.example_inputs(module, seq_len=tokens)
+    records = []
+    with torch.no_grad(), RecordSink.collect(records):
+        ref = module(*inputs)
+        options = {"min_layers": 1, "triton.cudagraphs": graphed}
+        compiled = torch.compile(module, backend="fx_fusion", options=options)
+        got, codes = torch._inductor.utils.run_and_get_code(compiled, *inputs)
+        got = [t.clone() for t in got]  # CUDA graphs reuse their output memory
+        for _ in range(2):
+            replayed = [t.clone() for t in compiled(*inputs)]
+        torch._dynamo.reset()
+        unfused = torch.compile(module, backend="fx_fusion", options={**options, "gemm_epilogue": False})(*inputs)
+    code = "\n".join(codes)
+    assert records[0].gemm_epilogues == 1 and not records[0].ops_kept, records[0].gemm_epilogue_notes
+    assert "_grouped_gemv_kernel" in code and "_fused_kv_materialize_kernel" not in code
+    assert records[-1].gemm_epilogues == 0
+    for g, r, u, again in zip(got, ref, unfused, replayed):
+        assert _relative_error(g, r) < 1e-2
+        assert _relative_error(g, u) < 4e-3 and torch.equal(g, again)
+
+
+@pytest.mark.gpu
+@CUDA
+def test_past_the_epilogue_token_count_the_norm_rope_keeps_its_kernel() -> None:
+    """More tokens than MAX_EPILOGUE_TOKENS: the grouped GEMM, then the materialization kernel (measured
+    faster there); the record says why."""
+    module = drafts.qwen3_context_kv(3, hidden_size=2048, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, device="cuda")
+    inputs = drafts.example_inputs(module, seq_len=grouped_gemv.MAX_EPILOGUE_TOKENS + 1)
+    records = []
+    with torch.no_grad(), RecordSink.collect(records):
+        got, codes = torch._inductor.utils.run_and_get_code(torch.compile(module, backend="fx_fusion"), *inputs)
+        ref = module(*inputs)
+    code = "\n".join(codes)
+    assert records[0].gemm_epilogues == 0 and "tokens" in records[0].gemm_epilogue_notes[0]
+    assert "_grouped_gemv_kernel" in code and "_fused_kv_materialize_kernel" in code
+    for g, r in zip(got, ref):
+        assert _relative_error(g, r) < 1e-2
+
+
+def test_epilogue_launch_heuristic(monkeypatch) -> None:
+    """The measured choices: head-wide tiles, K split up to 8 ways for up to 16 tokens while programs are
+    fewer than SMs, up to 4 ways past that only below half the SMs; the interpreter never splits."""
+    monkeypatch.setattr(grouped_gemv, "_sm_count", lambda index: 132)  # an H200
+    cuda, bf16 = torch.device("cuda", 0), torch.bfloat16
+
+    def config(n, n_weights, dtype=bf16, device=cuda):
+        return grouped_gemv.epilogue_launch_config(n, 1024, 4096, n_weights, 128, dtype, device)
+
+    # 5 layers' K and V: 80 head tiles -> 2 splits up to 16 tokens, none at 32 (80 >= 66 programs)
+    assert config(1, 10) == {"BLOCK_T": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "SPLIT_K": 2}
+    assert config(16, 10)["SPLIT_K"] == 2 and config(32, 10) == {
+        "BLOCK_T": 32, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "SPLIT_K": 1,
+    }  # fmt: skip
+    # one layer: 16 head tiles -> 8 splits, then 4
+    assert config(1, 2)["SPLIT_K"] == 8 and config(32, 2)["SPLIT_K"] == 4
+    assert config(1, 2, torch.float32)["BLOCK_K"] == 64  # 256 bytes of a weight row per step
+    assert config(1, 2, device=torch.device("cpu"))["SPLIT_K"] == 1
