@@ -260,6 +260,10 @@ def _fuse_k_epilogues(graph: torch.fx.Graph, traces: dict) -> tuple[int, list[st
         if grouped is None or grouped.kwargs:
             notes.append(f"{node.name}: K is not a view of a grouped_linear output")
             continue
+        x = grouped.args[0].meta.get("val")
+        if not isinstance(x, torch.Tensor) or not x.is_cuda:  # the launch is a CUDA kernel's: no trace needed
+            notes.append(f"{node.name}: the fused launch serves CUDA tensors")
+            continue
         # The launch replaces the grouped_linear call: the norm/RoPE inputs must be ready there.
         others = [n for n in node.all_input_nodes if n is not c.k_proj]
         if any(position[n] > position[grouped] for n in others):
@@ -279,9 +283,15 @@ def _fuse_k_epilogues(graph: torch.fx.Graph, traces: dict) -> tuple[int, list[st
             template = ((*grouped.args, k_columns, *node.args), dict(node.kwargs))
             key = ("k_epilogue", _signature(grouped), _signature(node), k_columns)
             traced = traces.get(key)
+            if isinstance(traced, Exception):  # layers alike: refused once, refused again
+                raise traced
             if traced is None:
-                traced = _trace_template(call, template)
-                _check_kernels_only_write_fresh_tensors(traced.graph)
+                try:
+                    traced = _trace_template(call, template)
+                    _check_kernels_only_write_fresh_tensors(traced.graph)
+                except Exception as error:
+                    traces[key] = error
+                    raise
                 traces[key] = traced
         except Exception as error:  # noqa: BLE001  (NotImplementedError: not served; either way lowered one by one)
             notes.append(f"{node.name}: {type(error).__name__}: {error}")

@@ -347,3 +347,18 @@ def test_epilogue_launch_heuristic(monkeypatch) -> None:
     assert config(1, 2)["SPLIT_K"] == 8 and config(32, 2)["SPLIT_K"] == 4
     assert config(1, 2, torch.float32)["BLOCK_K"] == 64  # 256 bytes of a weight row per step
     assert config(1, 2, device=torch.device("cpu"))["SPLIT_K"] == 1
+
+
+def test_cpu_graphs_keep_the_separate_norm_rope_and_say_why() -> None:
+    """On CPU the K epilogue (a CUDA launch) is not traced at all; the record says why per call."""
+    module = drafts.qwen3_context_kv(3)
+    inputs = drafts.example_inputs(module, seq_len=4)
+    records = []
+    with torch.no_grad(), RecordSink.collect(records):
+        got = torch.compile(module, backend="fx_fusion")(*inputs)
+        ref = module(*inputs)
+    (record,) = records
+    assert record.fused_groups and record.gemm_epilogues == 0
+    assert record.gemm_epilogue_notes and all("CUDA" in note for note in record.gemm_epilogue_notes)
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
