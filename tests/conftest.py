@@ -13,3 +13,22 @@ def fresh_compile():
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("interpret", id="cpu-triton-interpret"),
+        pytest.param(
+            "cuda", id="cuda",
+            marks=[pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"), pytest.mark.gpu],
+        ),
+    ]
+)
+def triton_device(request, monkeypatch) -> str:
+    """A Triton kernel's two front ends: "cpu" through the interpreter (TRITON_INTERPRET=1, read at call
+    time), or "cuda" compiled (skipped without a GPU)."""
+    if request.param == "interpret":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        return "cpu"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    return "cuda"

@@ -26,25 +26,16 @@ from fx_fusion.kernels.grouped_gemv import (
 )
 from fx_fusion.kernels.grouped_linear import equal_row_blocks
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-BACKENDS = [
-    pytest.param("interpret", id="cpu-triton-interpret"),
-    pytest.param("cuda", id="cuda", marks=[CUDA, pytest.mark.gpu]),
-]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Sizes: R = 20 is no multiple of any BLOCK_N, K = 50 no multiple of any BLOCK_K; N = 1, 3 and 17 leave
 # token rows of their tile (16, 16, 32) masked off.
 TOKENS = [1, 3, 16, 17]
 
 
-@pytest.fixture(params=BACKENDS)
-def device(request, monkeypatch) -> str:
-    """The device to build inputs on; CPU tensors run through the interpreter (TRITON_INTERPRET=1)."""
-    if request.param == "interpret":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        return "cpu"
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    return "cuda"
+@pytest.fixture
+def device(triton_device: str) -> str:
+    """The device to build inputs on (conftest's triton_device: the interpreter on CPU, or CUDA)."""
+    return triton_device
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -23,19 +23,10 @@ from fx_fusion.kernels.grouped_gemv import KEpilogue, k_epilogue_unsupported_rea
 from fx_fusion.op_lowering import _k_columns
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-BACKENDS = [
-    pytest.param("interpret", id="cpu-triton-interpret"),
-    pytest.param("cuda", id="cuda", marks=[CUDA, pytest.mark.gpu]),
-]
-
-
-@pytest.fixture(params=BACKENDS)
-def device(request, monkeypatch) -> str:
-    if request.param == "interpret":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        return "cpu"
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    return "cuda"
+@pytest.fixture
+def device(triton_device: str) -> str:
+    """The device to build inputs on (conftest's triton_device: the interpreter on CPU, or CUDA)."""
+    return triton_device
 
 
 @dataclasses.dataclass
@@ -281,6 +272,7 @@ def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
+@pytest.mark.usefixtures("fresh_compile")
 @pytest.mark.gpu
 @CUDA
 @pytest.mark.parametrize("graphed", [False, True], ids=["plain", "cudagraphs"])
@@ -311,6 +303,7 @@ def test_compiled_draft_runs_one_kernel_for_its_context_kv(family, n_layers, tok
         assert _relative_error(g, u) < 4e-3 and torch.equal(g, again)
 
 
+@pytest.mark.usefixtures("fresh_compile")
 @pytest.mark.gpu
 @CUDA
 def test_past_the_epilogue_token_count_the_norm_rope_keeps_its_kernel() -> None:
@@ -349,6 +342,7 @@ def test_epilogue_launch_heuristic(monkeypatch) -> None:
     assert config(1, 2, device=torch.device("cpu"))["SPLIT_K"] == 1
 
 
+@pytest.mark.usefixtures("fresh_compile")
 def test_cpu_graphs_keep_the_separate_norm_rope_and_say_why() -> None:
     """On CPU the K epilogue (a CUDA launch) is not traced at all; the record says why per call."""
     module = drafts.qwen3_context_kv(3)
