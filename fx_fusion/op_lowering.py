@@ -243,62 +243,74 @@ def _hoist_before(anchor: torch.fx.Node, nodes: list[torch.fx.Node], position: d
     return True
 
 
+K_EPILOGUE_DEVICE_TYPES = frozenset({"cuda"})  # where grouped_linear_k_epilogue_body has a launch
+
+
+def _k_epilogue_body(args, kwargs):
+    from fx_fusion.kernels import grouped_linear
+
+    return grouped_linear.grouped_linear_k_epilogue_body(*args, **kwargs)
+
+
+def _k_epilogue_plan(node: torch.fx.Node, traces: dict):
+    """For a materialize_k call: (its k_proj, the grouped_linear that is a view of, the views between, the
+    template and traced body of the fused launch), or why there is none (a string). Changes no graph."""
+    from fx_fusion.kernels import ops
+
+    common, _ = ops._common_and_token_major(node.args, node.kwargs)
+    c = ops.CommonArgs(*common)
+    grouped, chain = _viewed_grouped_linear(c.k_proj)
+    if grouped is None or grouped.kwargs:
+        return "K is not a view of a grouped_linear output"
+    x = grouped.args[0].meta.get("val")
+    if not isinstance(x, torch.Tensor) or x.device.type not in K_EPILOGUE_DEVICE_TYPES:  # no trace needed
+        return "the fused launch serves CUDA tensors"
+    k_columns = _k_columns(grouped, c.k_proj, c.num_kv_heads, c.head_dim)
+    if k_columns is None:
+        return f"K's tokens are not the rows of {grouped.name} (or sizes are symbolic)"
+    template = ((*grouped.args, k_columns, *node.args), dict(node.kwargs))
+    key = ("k_epilogue", _signature(grouped), _signature(node), k_columns)
+    traced = traces.get(key)
+    if isinstance(traced, Exception):  # layers alike: refused once, refused again
+        raise traced
+    if traced is None:
+        try:
+            traced = _trace_template(_k_epilogue_body, template)
+            _check_kernels_only_write_fresh_tensors(traced.graph)
+        except Exception as error:
+            traces[key] = error
+            raise
+        traces[key] = traced
+    return c.k_proj, grouped, chain, template, traced
+
+
 def _fuse_k_epilogues(graph: torch.fx.Graph, traces: dict) -> tuple[int, list[str]]:
     """Lower each grouped_linear call whose K heads a materialize_k call reads (through views) together with
     that call, as one launch (grouped_linear.grouped_linear_k_epilogue_body); returns how many pairs, and
     why other materialize_k calls keep their own kernel. Those are lowered one by one."""
-    from fx_fusion.kernels import grouped_linear, ops
-
     position = {node: i for i, node in enumerate(graph.nodes)}
     fused, notes = 0, []
     for node in list(graph.nodes):
         if node.target is not torch.ops.fx_fusion.materialize_k.default:
             continue
-        common, _ = ops._common_and_token_major(node.args, node.kwargs)
-        c = ops.CommonArgs(*common)
-        grouped, chain = _viewed_grouped_linear(c.k_proj)
-        if grouped is None or grouped.kwargs:
-            notes.append(f"{node.name}: K is not a view of a grouped_linear output")
+        try:
+            plan = _k_epilogue_plan(node, traces)
+        except Exception as error:  # noqa: BLE001  (NotImplementedError: not served; either way lowered one by one)
+            logger.debug("fx_fusion: %s keeps its own norm/RoPE kernel", node.name, exc_info=True)
+            plan = f"{type(error).__name__}: {error}"
+        if isinstance(plan, str):
+            notes.append(f"{node.name}: {plan}")
             continue
-        x = grouped.args[0].meta.get("val")
-        if not isinstance(x, torch.Tensor) or not x.is_cuda:  # the launch is a CUDA kernel's: no trace needed
-            notes.append(f"{node.name}: the fused launch serves CUDA tensors")
-            continue
+        k_proj, grouped, chain, template, traced = plan
         # The launch replaces the grouped_linear call: the norm/RoPE inputs must be ready there.
-        others = [n for n in node.all_input_nodes if n is not c.k_proj]
+        others = [n for n in node.all_input_nodes if n is not k_proj]
         if any(position[n] > position[grouped] for n in others):
             if not _hoist_before(grouped, others, position):
                 notes.append(f"{node.name}: an input depends on {grouped.name}")
                 continue
             position = {n: i for i, n in enumerate(graph.nodes)}
-
-        def call(args, kwargs):
-            return grouped_linear.grouped_linear_k_epilogue_body(*args, **kwargs)
-
-        try:
-            k_columns = _k_columns(grouped, c.k_proj, c.num_kv_heads, c.head_dim)
-            if k_columns is None:
-                notes.append(f"{node.name}: K's tokens are not the rows of {grouped.name} (or sizes are symbolic)")
-                continue
-            template = ((*grouped.args, k_columns, *node.args), dict(node.kwargs))
-            key = ("k_epilogue", _signature(grouped), _signature(node), k_columns)
-            traced = traces.get(key)
-            if isinstance(traced, Exception):  # layers alike: refused once, refused again
-                raise traced
-            if traced is None:
-                try:
-                    traced = _trace_template(call, template)
-                    _check_kernels_only_write_fresh_tensors(traced.graph)
-                except Exception as error:
-                    traces[key] = error
-                    raise
-                traces[key] = traced
-        except Exception as error:  # noqa: BLE001  (NotImplementedError: not served; either way lowered one by one)
-            notes.append(f"{node.name}: {type(error).__name__}: {error}")
-            logger.debug("fx_fusion: %s keeps its own norm/RoPE kernel", node.name, exc_info=True)
-            continue
         with graph.inserting_before(grouped):
-            projection, k_out = insert_traced(graph, call, template, traced).outputs
+            projection, k_out = insert_traced(graph, _k_epilogue_body, template, traced).outputs
         grouped.replace_all_uses_with(projection)
         node.replace_all_uses_with(k_out)
         graph.erase_node(node)

@@ -356,3 +356,63 @@ def test_cpu_graphs_keep_the_separate_norm_rope_and_say_why() -> None:
     assert record.gemm_epilogue_notes and all("CUDA" in note for note in record.gemm_epilogue_notes)
     for g, r in zip(got, ref):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The lowering's graph surgery on CPU, with a stand-in body
+# --------------------------------------------------------------------------------------------------------
+
+
+def _stand_in_body(x, weights, biases, k_columns, *materialize_args, **materialize_kwargs):
+    """The fused launch's contract in ATen ops: the grouped output, and materialize_k over the K heads that
+    `k_columns` names in it (so a wrong column mapping gives wrong numbers)."""
+    from fx_fusion.kernels import grouped_linear, ops
+
+    out = grouped_linear.grouped_linear_body(x, weights, biases)
+    k_proj = materialize_args[0]
+    column, block_stride, head_stride = k_columns
+    if k_proj.dim() == 3:
+        strides = (out.stride(0), block_stride, 1)
+    else:
+        strides = (out.stride(0), block_stride, head_stride, 1)
+    heads = out.as_strided(k_proj.shape, strides, out.storage_offset() + column)
+    return out, ops.materialize_k_body(heads, *materialize_args[1:], **materialize_kwargs)
+
+
+@pytest.mark.usefixtures("fresh_compile")
+@pytest.mark.parametrize("model", ["qwen3_draft", "llama_draft", "qwen3_gqa_decoder", "llama_mha_decoder"])
+def test_lowering_fuses_pairs_with_the_right_columns(model, monkeypatch) -> None:
+    """With the launch replaced by `_stand_in_body` on CPU, the lowering (hoisting the norm/RoPE inputs,
+    replacing both calls, dropping K's views) gives eager's results: drafts of K and V, and decoders whose
+    Q and K heads are blocks of one QKV output (strided 4-D K views, token-major outputs)."""
+    import transformers
+
+    from fx_fusion import op_lowering
+    from fx_fusion.kernels import grouped_linear
+
+    monkeypatch.setattr(op_lowering, "K_EPILOGUE_DEVICE_TYPES", frozenset({"cpu"}))
+    monkeypatch.setattr(grouped_linear, "grouped_linear_k_epilogue_body", _stand_in_body)
+    torch.manual_seed(0)
+    if model.endswith("draft"):
+        module = (drafts.qwen3_context_kv if model.startswith("qwen3") else drafts.llama_context_kv)(3)
+        inputs = drafts.example_inputs(module, seq_len=5)
+    else:
+        config_class = transformers.Qwen3Config if model.startswith("qwen3") else transformers.LlamaConfig
+        kv_heads = 2 if "gqa" in model else 4
+        config = config_class(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=kv_heads, head_dim=16, vocab_size=100,
+        )  # fmt: skip
+        causal_lm = (transformers.Qwen3ForCausalLM if model.startswith("qwen3") else transformers.LlamaForCausalLM)
+        module = causal_lm(config).eval()
+        inputs = (torch.randint(0, 100, (1, 6)),)
+    records = []
+    with torch.no_grad(), RecordSink.collect(records):
+        ref = module(*inputs)
+        got = torch.compile(module, backend="fx_fusion")(*inputs)
+    (record,) = records
+    assert record.gemm_epilogues == len(record.fused_groups) >= 1, record.gemm_epilogue_notes
+    if hasattr(ref, "logits"):
+        ref, got = (ref.logits,), (got.logits,)
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4)
