@@ -14,6 +14,8 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fx_fusion import drafts
 from fx_fusion.diagnostics import RecordSink
@@ -197,6 +199,33 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_epilogue_matches_references(name: str, device: str) -> None:
     run_case(CASES[name], device)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    tokens=st.integers(1, 20),
+    layers=st.integers(1, 4),
+    heads=st.integers(1, 3),
+    head_dim=st.sampled_from([16, 32]),
+    rotary_eighths=st.sampled_from([2, 4, 8]),
+    interleaved=st.booleans(),
+    norm=st.sampled_from(["list", "table", "none"]),
+    tables=st.sampled_from(["shared", "per_layer", "positions"]),
+    layout=st.sampled_from(["kv", "k_then_v", "qkv_groups"]),
+    split_k=st.sampled_from([None, 2]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_property_interpreter(
+    tokens, layers, heads, head_dim, rotary_eighths, interleaved, norm, tables, layout, split_k, dtype, monkeypatch
+) -> None:
+    """Random compositions of the epilogue's options through the interpreter, against both references."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    case = Case(
+        tokens=tokens, layers=layers, heads=heads, head_dim=head_dim, hidden=80, dtype=dtype,
+        rotary_dim=head_dim * rotary_eighths // 8, interleaved=interleaved, norm=norm, tables=tables,
+        layout=layout, split_k=split_k,
+    )  # fmt: skip
+    run_case(case, "cpu")
 
 
 @pytest.mark.gpu
