@@ -29,6 +29,12 @@ tiles would keep the SMs busy, K is split too (the grid's first axis is then tok
 split stores a float32 partial tile in a scratch buffer, and the last split to finish a tile (an atomic
 counter per tile) sums the partials in split order and writes it.
 
+With a `KEpilogue` the tiles are one head wide (BLOCK_N = head_dim) and a tile that is a K head (of a
+layer, or of a block of heads) is also normalised (per-head RMSNorm) and rotated (RoPE) as it is written,
+into its own output `k_out`, with the math and roundings of `fused_kv_materialize`: the K projection never
+makes a second trip through memory, and each layer's norm weight is read by pointer. The partner element
+of each dim (RoPE's pair) is read back from the tile just stored.
+
 CPU tensors run through Triton's interpreter (tests only; `grouped_gemv_supported` admits them only when
 TRITON_INTERPRET=1 at call time).
 """
@@ -59,6 +65,7 @@ MIN_BLOCK_T = 16  # tl.dot's smallest tile
 BLOCK_K_BYTES = 512  # per weight row and K step: BLOCK_K = 256 for 16-bit weights, 128 for float32
 SPLIT_K_FEW_TOKENS, SPLIT_K_MORE_TOKENS = 8, 4  # K splits when even 16-row tiles leave SMs idle
 SPLIT_BLOCK_K_BYTES = 256
+EPILOGUE_TILE_BYTES = 32 * 1024  # a head-wide weight tile per pipeline stage, at most
 
 
 def _grouped_gemv_kernel(
@@ -409,6 +416,8 @@ def k_epilogue_unsupported_reason(rows: int, n_columns: int, epilogue: KEpilogue
         return "k_out differs from out in dtype or device"
     if len(e.norm_weights) > MAX_WEIGHTS_PER_LAUNCH:
         return f"more than {MAX_WEIGHTS_PER_LAUNCH} separate norm weights"
+    if len({w.stride() for w in e.norm_weights}) > 1:
+        return "separate norm weights of different strides"
     return None
 
 
@@ -471,14 +480,17 @@ def epilogue_launch_config(
     n: int, rows: int, k: int, n_weights: int, head_dim: int, dtype: torch.dtype, device: torch.device
 ) -> dict[str, int]:
     """The launch for the K epilogue: tiles one head wide (BLOCK_N = head_dim), BLOCK_T as in
-    `default_launch_config`, BLOCK_K SPLIT_BLOCK_K_BYTES of a weight row, and K split over programs when
+    `default_launch_config`, BLOCK_K SPLIT_BLOCK_K_BYTES of a weight row (less where a stage's weight tile
+    would pass EPILOGUE_TILE_BYTES: shared memory), and K split over programs when
     fewer programs than SMs would stream weights: up to 8 splits for up to 16 tokens, up to 4 past that and
     only below half the SMs. From a sweep on an H200 (benchmarks/RESULTS.md): 5 layers' K and V (80 head
     tiles) at T = 1 26.3 us with 2 splits (27.3 unsplit, 27.4 with 4); one layer (16 head tiles) 10.1 us
     with 8 (22.1 unsplit); at 64 tokens 5 layers unsplit (31.4 against 36.5 with 2), one layer 4 splits."""
     element_size = torch.empty((), dtype=dtype).element_size()
     block_t = max(MIN_BLOCK_T, min(triton.next_power_of_2(max(n, 1)), 64))
-    block_k = min(SPLIT_BLOCK_K_BYTES // element_size, max(16, triton.next_power_of_2(k)))
+    # at most EPILOGUE_TILE_BYTES of weights per pipeline stage (head_dim 256: half the K step)
+    block_k = min(SPLIT_BLOCK_K_BYTES // element_size, EPILOGUE_TILE_BYTES // (head_dim * element_size))
+    block_k = max(16, min(block_k, triton.next_power_of_2(k)))
     config = {"BLOCK_T": block_t, "BLOCK_N": head_dim, "BLOCK_K": block_k, "num_warps": 4, "SPLIT_K": 1}
     if device.type != "cuda":
         return config

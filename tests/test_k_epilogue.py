@@ -252,6 +252,10 @@ def _epilogue(k_out, columns=(0, 64, 16), norm_weights=()):
         ("overlapping_heads", _epilogue(torch.empty(2, 3, 2, 16), (0, 16, 16)), 32, "overlap"),
         ("heads_past_the_output", _epilogue(torch.empty(2, 3, 2, 16), (64, 64, 16)), 32, "outside"),
         ("too_many_norm_weights", _epilogue(torch.empty(2, 3, 2, 16), norm_weights=[torch.ones(16)] * 17), 32, "norm"),
+        (
+            "norm_weights_of_different_strides",
+            _epilogue(torch.empty(2, 3, 2, 16), norm_weights=[torch.ones(16), torch.ones(32)[::2]]), 32, "strides",
+        ),
     ],
 )
 def test_unsupported_epilogues(name, epilogue, rows, reason) -> None:
@@ -368,6 +372,8 @@ def test_epilogue_launch_heuristic(monkeypatch) -> None:
     # one layer: 16 head tiles -> 8 splits, then 4
     assert config(1, 2)["SPLIT_K"] == 8 and config(32, 2)["SPLIT_K"] == 4
     assert config(1, 2, torch.float32)["BLOCK_K"] == 64  # 256 bytes of a weight row per step
+    wide = grouped_gemv.epilogue_launch_config(1, 1024, 4096, 10, 256, bf16, cuda)
+    assert wide["BLOCK_N"] == 256 and wide["BLOCK_K"] == 64  # a stage's weight tile stays at 32 KiB
     assert config(1, 2, device=torch.device("cpu"))["SPLIT_K"] == 1
 
 
