@@ -288,8 +288,7 @@ def _fuse_k_epilogues(graph: torch.fx.Graph, traces: dict) -> tuple[int, list[st
     """Lower each grouped_linear call whose K heads a materialize_k call reads (through views) together with
     that call, as one launch (grouped_linear.grouped_linear_k_epilogue_body); returns how many pairs, and
     why other materialize_k calls keep their own kernel. Those are lowered one by one."""
-    position = {node: i for i, node in enumerate(graph.nodes)}
-    fused, notes = 0, []
+    position, fused, notes = None, 0, []  # position: graph order, rebuilt after each change
     for node in list(graph.nodes):
         if node.target is not torch.ops.fx_fusion.materialize_k.default:
             continue
@@ -303,14 +302,19 @@ def _fuse_k_epilogues(graph: torch.fx.Graph, traces: dict) -> tuple[int, list[st
             continue
         k_proj, grouped, chain, template, traced = plan
         # The launch replaces the grouped_linear call: the norm/RoPE inputs must be ready there.
+        position = position or {n: i for i, n in enumerate(graph.nodes)}
         others = [n for n in node.all_input_nodes if n is not k_proj]
         if any(position[n] > position[grouped] for n in others):
             if not _hoist_before(grouped, others, position):
                 notes.append(f"{node.name}: an input depends on {grouped.name}")
                 continue
-            position = {n: i for i, n in enumerate(graph.nodes)}
-        with graph.inserting_before(grouped):
-            projection, k_out = insert_traced(graph, _k_epilogue_body, template, traced).outputs
+        position = None  # the graph changes below (or has changed above)
+        try:
+            with graph.inserting_before(grouped):
+                projection, k_out = insert_traced(graph, _k_epilogue_body, template, traced).outputs
+        except Exception as error:  # noqa: BLE001  (insert_traced removed what it added)
+            notes.append(f"{node.name}: {type(error).__name__}: {error}")
+            continue
         grouped.replace_all_uses_with(projection)
         node.replace_all_uses_with(k_out)
         graph.erase_node(node)
