@@ -21,7 +21,7 @@ shapes, one compile per T; torch._dynamo.reset() between compiled variants):
                    the pass's fused-layer count is recorded, and "nf" marks a compile where it fused nothing)
     fxf_graph      the same, CUDA-graphed
     fxf_sep        the same with options gemm_epilogue=False (the K norm/RoPE a kernel of its own after the
-                   grouped GEMM, as before the epilogue)
+                   grouped GEMM, as before the epilogue; only when named in --columns)
     fxf_sep_graph  the same, CUDA-graphed
     fxf_frz        torch.compile(m, backend="fx_fusion") with freezing
     fxf_frz_graph  the same, CUDA-graphed
@@ -80,6 +80,7 @@ COLUMNS = [
     "fxf_frz",
     "fxf_frz_graph",
 ]
+DEFAULT_COLUMNS = [c for c in COLUMNS if not c.startswith("fxf_sep")]  # the ablation on request
 
 
 def log(msg: str) -> None:
@@ -513,7 +514,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS), help="comma-separated names")
     parser.add_argument("--seq-lens", default=None, help="comma-separated T values (default 1,16,128,1024,8192)")
     parser.add_argument("--quick", action="store_true", help=f"T in {QUICK_SEQ_LENS} only")
-    parser.add_argument("--columns", default=",".join(COLUMNS), help="comma-separated subset of the columns")
+    parser.add_argument(
+        "--columns", default=",".join(DEFAULT_COLUMNS), help="comma-separated subset of the columns (default: all but fxf_sep*)"
+    )
     parser.add_argument("--graph", choices=["manual", "reduce-overhead"], default="manual")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")

@@ -2,6 +2,7 @@
 # One GPU session: CUDA tests, the memory checker on the kernel, the benchmarks, the host-cost breakdown.
 #   OUT=/some/dir bash benchmarks/gpu_session.sh [tests] [sanitize] [bench_op] [bench_gemv] [bench_module]
 #       [bench_module_quick] [bench_whole] [bench_whole_mid] [host] [bench_draft_ctx] [bench_draft_step] [demo] [tests_cache]
+#       [bench_gemv_epilogue] [bench_module_epilogue]
 # Installs the checkout editable first (offline: the build needs setuptools>=77 already installed), so
 # everything runs against the installed package; logs go to $OUT.
 set -uo pipefail
@@ -26,6 +27,8 @@ for step in "${steps[@]}"; do
     sanitize) (cd tests && timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 python gpu_sanitize_cases.py) > "$OUT/sanitizer.log" 2>&1; echo "sanitizer exit $?"; tail -n 5 "$OUT/sanitizer.log" ;;
     bench_op) timeout 300 python benchmarks/bench_op.py --out "$OUT" 2>&1 | tail -n 30 ;;
     bench_gemv) timeout 240 python benchmarks/bench_grouped_gemv.py --out "$OUT/bench_grouped_gemv.json" 2>&1 | tail -n 40 ;;
+    bench_gemv_epilogue) timeout 240 python benchmarks/bench_grouped_gemv.py --epilogue --workloads qwen3-8b-dflash,qwen3-1layer --tokens 1,16,32,64 --out "$OUT/bench_grouped_gemv_epilogue.json" 2>&1 | tail -n 12 ;;
+    bench_module_epilogue) timeout 400 python benchmarks/bench_module.py --seq-lens 1,16,32 --columns ind_graph,frz_graph,sglang_graph,fxf,fxf_graph,fxf_sep,fxf_sep_graph --out "$OUT/module_epilogue" 2>&1 | tail -n 20 ;;
     bench_module) timeout 540 python benchmarks/bench_module.py --out "$OUT" 2>&1 | tail -n 60 ;;
     host) timeout 240 python benchmarks/host_overhead.py --out "$OUT" 2>&1 | tail -n 60 ;;
     bench_module_quick) timeout 400 python benchmarks/bench_module.py --quick --out "$OUT" 2>&1 | tail -n 40 ;;
