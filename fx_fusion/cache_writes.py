@@ -406,8 +406,7 @@ def absorb(graph: torch.fx.Graph, builder, k_all: torch.fx.Node, proj: torch.fx.
     inputs += [x for x in spec[1:] if isinstance(x, torch.fx.Node)]
     if depends_on(inputs, {w.result for w in writes}):
         raise NoMatch("the group's inputs depend on a cache it writes")
-    position = {node: i for i, node in enumerate(graph.nodes)}
-    point = max(inputs, key=position.__getitem__)  # the caches' readers follow once the graph is sorted
+    point = max(inputs)  # the last in graph order; the caches' readers follow once the graph is sorted
     device = val(k_all).device
     heads, head_dim = _shape(k_all)[2:]
     with graph.inserting_after(point):

@@ -488,11 +488,6 @@ def _cache_and_positions(branch: KBranch) -> Optional[tuple[torch.fx.Node, torch
     return cache, positions
 
 
-def _insertion_point(graph: torch.fx.Graph, inputs: list[torch.fx.Node]) -> torch.fx.Node:
-    position = {node: i for i, node in enumerate(graph.nodes)}
-    return max(inputs, key=lambda n: position[n])
-
-
 def _shared_rotary_tables(branches: list[KBranch], same_value: ValueKeys):
     """("cache", (cache, positions)) when every layer gathers its cos/sin from the same cache rows,
     ("shared", None) when every layer reads the same cos/sin values, else ("per layer", None)."""
@@ -540,7 +535,7 @@ def _grouped_gemm(builder: _GraphBuilder, x2d, weights: list, biases: list, stac
 def _rewrite_group(
     graph, fake_mode, branches: list[KBranch], extra: list[Projection], record, same_value, stack_in_graph: bool
 ) -> FusedGroup:
-    branches = sorted(branches, key=lambda b: list(graph.nodes).index(b.projection.node))
+    branches = sorted(branches, key=lambda b: b.projection.node)  # nodes compare in graph order
     first = branches[0]
     projections: list[Projection] = []
     for projection in [b.projection for b in branches] + extra:
@@ -578,7 +573,7 @@ def _rewrite_group(
     ):
         raise NoMatch("K columns of the stacked projection are not evenly spaced")
 
-    x2d = min((p.x2d for p in projections), key=lambda n: list(graph.nodes).index(n))
+    x2d = min(p.x2d for p in projections)
     norm_weights = [b.norm.weight for b in branches] if first.norm and first.norm.weight is not None else []
     # One [head_dim] weight per block: the op reads them where they are; else they are gathered into a table.
     one_weight_per_block = all(b.n_layers == 1 and val(w).dim() == 1 for b, w in zip(branches, norm_weights))
@@ -603,7 +598,7 @@ def _rewrite_group(
 
     builder = _GraphBuilder(graph, fake_mode)
     try:
-        with graph.inserting_after(_insertion_point(graph, inputs)):
+        with graph.inserting_after(max(inputs)):  # the last input (nodes compare by their place in the graph)
             weights = [w for p in projections for w in p.weights]
             biases = [b for p in projections for b in p.biases]
             proj = _grouped_gemm(builder, x2d, weights, biases, stack_in_graph)
@@ -679,10 +674,9 @@ def _rewrite_group(
                     k_branch = builder.call(aten.slice.Tensor, k_all, 0, block, block + count)
                     k_branch = builder.call(aten.permute.default, k_branch, [1, 0, 2, 3])
                 block += count
-                k_branch = builder.call(aten.reshape.default, k_branch, [-1, branch.n_layers * branch.features])
-                shape = branch.source.output_shape(branch.features)
-                if shape is not None:
-                    k_branch = builder.call(aten.reshape.default, k_branch, shape)
+                # [tokens, n_layers * features], or laid out as the source when it is a view of the projection
+                shape = branch.source.output_shape(branch.features) or [-1, branch.n_layers * branch.features]
+                k_branch = builder.call(aten.reshape.default, k_branch, shape)
                 k_branch = builder.replay(branch.layout_before_norm + branch.layout_after_norm, k_branch)
                 new_outputs.append((branch.output, k_branch))
             pieces = []

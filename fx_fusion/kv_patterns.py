@@ -678,8 +678,82 @@ def match_k_branch(projection: Projection, source: "BranchSource", same_value: O
         raise NoMatch(f"K output is {val(rotary.out).dtype}, the projection {dtype}")
     if norm is not None and norm.weight is not None and val(norm.weight).dtype != dtype:
         raise NoMatch(f"K norm weight is {val(norm.weight).dtype}, K is {dtype}")
-    rows, row_width = static_shape(projection.node)
     head_dim = static_shape(node)[-1]
+    heads = _branch_heads(projection, source, layout_before, layout_after, norm, features, head_dim)
+    return KBranch(projection, source, layout_before, layout_after, norm, rotary, heads)
+
+
+# Head layouts by branch signature (plain data: holds no graph), shared across layers and compiles: the
+# layers of a decoder lay out K alike, simulated once. Bounded; cleared when full.
+_HEAD_LAYOUTS: dict = {}
+_MAX_HEAD_LAYOUTS = 1024
+_PLAIN = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _plain(x):
+    """`x` as hashable plain data; TypeError for anything else (a tensor, a node, an object)."""
+    if isinstance(x, (list, tuple)):
+        return tuple(_plain(e) for e in x)
+    if isinstance(x, dict):
+        return tuple(sorted((key, _plain(v)) for key, v in x.items()))
+    if x is None or isinstance(x, _PLAIN):
+        return x
+    raise TypeError(type(x).__name__)
+
+
+def _replayed(node: torch.fx.Node) -> tuple:
+    """Everything `replay` (and its probe sizing) reads of one layout node."""
+    first = node.args[0]
+    return (
+        node.target,
+        _plain(hinted(list(node.args[1:]))),
+        _plain(hinted(dict(node.kwargs))),
+        tuple(static_shape(first)) if isinstance(first, torch.fx.Node) else None,
+        tuple(static_shape(node)),
+    )
+
+
+def _layout_signature(projection, source, layout_before, layout_after, norm, sizes, features, head_dim) -> tuple:
+    """Everything the head-layout simulation of a branch reads, as plain data (TypeError if not plain)."""
+    views = [v for v in (source.group_view, source.head_view) if v is not None]
+    return (
+        tuple(static_shape(projection.node)), projection.layer_width, projection.n_layers, features, head_dim,
+        _plain(sizes.mapping), tuple(static_shape(source.node)), source.col_start, source.head_stride,
+        source.group_view is not None, source.head_view is not None, source.chain is not None,
+        source.stride, source.n_heads, _plain(source.roles),
+        tuple(map(_replayed, source.prefix)), tuple(map(_replayed, views)), tuple(map(_replayed, source.chain or [])),
+        tuple(map(_replayed, layout_before)), tuple(map(_replayed, layout_after)),
+        None if norm is None else (
+            _plain(norm.weight_shape), None if norm.weight is None else tuple(static_shape(norm.weight))
+        ),
+    )  # fmt: skip
+
+
+def _branch_heads(projection, source, layout_before, layout_after, norm, features: int, head_dim: int) -> HeadLayout:
+    """The branch's HeadLayout from an index simulation (memoised by `_layout_signature`); NoMatch if the
+    branch does not lay out whole heads."""
+    sizes = _token_sizes(projection, source, layout_before + layout_after)
+    try:
+        key = _layout_signature(projection, source, layout_before, layout_after, norm, sizes, features, head_dim)
+        outcome = _HEAD_LAYOUTS.get(key)
+    except (TypeError, AttributeError):  # something not plain data: simulate without the memo
+        key, outcome = None, None
+    if outcome is None:
+        try:
+            outcome = _simulate_heads(projection, source, layout_before, layout_after, norm, sizes, features, head_dim)
+        except NoMatch as reason:
+            outcome = (type(reason), str(reason))
+        if key is not None:
+            if len(_HEAD_LAYOUTS) >= _MAX_HEAD_LAYOUTS:
+                _HEAD_LAYOUTS.clear()
+            _HEAD_LAYOUTS[key] = outcome
+    if isinstance(outcome, tuple):
+        raise outcome[0](outcome[1])
+    return dataclasses.replace(outcome, token_axes=list(outcome.token_axes))
+
+
+def _simulate_heads(projection, source, layout_before, layout_after, norm, sizes, features: int, head_dim: int) -> HeadLayout:
+    rows, row_width = static_shape(projection.node)
 
     def layout_at(index: torch.Tensor) -> HeadLayout:
         return head_layout(index, source, row_width, projection.layer_width, projection.n_layers, features, head_dim)
@@ -695,10 +769,9 @@ def match_k_branch(projection: Projection, source: "BranchSource", same_value: O
     # the index simulation runs on real tensors (also inside a traced pass), over a few tokens when it can
     with unset_fake_temporarily():
         try:
-            heads = simulate(_token_sizes(projection, source, layout_before + layout_after))
+            return simulate(sizes)
         except (ProbeMismatch, RuntimeError, IndexError):
-            heads = simulate(FULL_SIZE)
-    return KBranch(projection, source, layout_before, layout_after, norm, rotary, heads)
+            return simulate(FULL_SIZE)
 
 
 def _token_sizes(projection: Projection, source: "BranchSource", chain: list[torch.fx.Node]) -> ProbeSizes:

@@ -22,7 +22,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMS
 from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
 import fx_fusion
-from fx_fusion import drafts
+from fx_fusion import drafts, kv_patterns
 from fx_fusion.diagnostics import RecordSink
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -286,6 +286,30 @@ def test_a_repeated_rotary_region_is_identified_once(monkeypatch):
     (group,) = only_fused_groups(records)
     assert group.n_layers == 4
     assert len(identified) == 1
+
+
+def test_a_repeated_head_layout_is_simulated_once(monkeypatch):
+    """Layers that lay K out alike are simulated once (keyed by plain data: the layout ops, their arguments
+    and shapes, the source and the norm), a differently laid out draft gets its own simulation, and each
+    compile still matches eager."""
+    simulated = []
+    simulate_heads = kv_patterns._simulate_heads
+    monkeypatch.setattr(kv_patterns, "_HEAD_LAYOUTS", {})
+    monkeypatch.setattr(kv_patterns, "_simulate_heads", lambda *args: simulated.append(args) or simulate_heads(*args))
+    records = []
+    for build in (drafts.qwen3_context_kv, drafts.llama_context_kv):  # llama: no K norm between the views
+        module = build(4)
+        inputs = drafts.example_inputs(module, seq_len=6)
+        with torch.no_grad(), RecordSink.collect(records), torch._inductor.config.patch(fx_graph_cache=False):
+            torch._dynamo.reset()
+            assert_close_outputs(torch.compile(module, backend="fx_fusion")(*inputs), module(*inputs), torch.float32)
+    assert [g.n_layers for g in only_fused_groups(records)] == [4, 4]
+    assert len(simulated) == 2 and len(kv_patterns._HEAD_LAYOUTS) == 2
+
+    def plain(x):
+        return all(map(plain, x)) if isinstance(x, tuple) else not isinstance(x, (torch.fx.Node, torch.Tensor))
+
+    assert all(plain(key) for key in kv_patterns._HEAD_LAYOUTS)
 
 
 def test_single_layer_needs_min_layers_option():
