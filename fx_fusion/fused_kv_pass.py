@@ -72,7 +72,7 @@ import fx_fusion.kernels.grouped_linear  # noqa: F401  (registers fx_fusion::gro
 from . import cache_writes, kv_patterns, op_lowering, probe_sizes, rotary_action, rotary_angles, scatter_forwarding, token_cats
 from .diagnostics import FusedGroup, PassRecord, RecordSink, Rejection, node_location
 from .kv_patterns import KBranch, NoMatch, Projection, is_call, val
-from . import values
+from . import memo, values
 from .values import ValueKeys
 
 logger = logging.getLogger("fx_fusion")
@@ -122,6 +122,7 @@ class FusedKVPass(CustomGraphPass):
             rotary_action.__file__,
             rotary_angles.__file__,
             values.__file__,
+            memo.__file__,
             probe_sizes.__file__,
             scatter_forwarding.__file__,
             token_cats.__file__,

@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import rotary_action
 from .probe_sizes import FULL_SIZE, ProbeMismatch, ProbeSizes, probe_call
+from .memo import OutcomeMemo, plain
 from .values import LAYOUT_OPS, ValueKeys
 
 aten = torch.ops.aten
@@ -683,22 +684,8 @@ def match_k_branch(projection: Projection, source: "BranchSource", same_value: O
     return KBranch(projection, source, layout_before, layout_after, norm, rotary, heads)
 
 
-# Head layouts by branch signature (plain data: holds no graph), shared across layers and compiles: the
-# layers of a decoder lay out K alike, simulated once. Bounded; cleared when full.
-_HEAD_LAYOUTS: dict = {}
-_MAX_HEAD_LAYOUTS = 1024
-_PLAIN = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
-
-
-def _plain(x):
-    """`x` as hashable plain data; TypeError for anything else (a tensor, a node, an object)."""
-    if isinstance(x, (list, tuple)):
-        return tuple(_plain(e) for e in x)
-    if isinstance(x, dict):
-        return tuple(sorted((key, _plain(v)) for key, v in x.items()))
-    if x is None or isinstance(x, _PLAIN):
-        return x
-    raise TypeError(type(x).__name__)
+# Head layouts by branch signature: the layers of a decoder lay out K alike, simulated once.
+_HEAD_LAYOUTS = OutcomeMemo((NoMatch,))
 
 
 def _replayed(node: torch.fx.Node) -> tuple:
@@ -706,8 +693,8 @@ def _replayed(node: torch.fx.Node) -> tuple:
     first = node.args[0]
     return (
         node.target,
-        _plain(hinted(list(node.args[1:]))),
-        _plain(hinted(dict(node.kwargs))),
+        plain(hinted(list(node.args[1:]))),
+        plain(hinted(dict(node.kwargs))),
         tuple(static_shape(first)) if isinstance(first, torch.fx.Node) else None,
         tuple(static_shape(node)),
     )
@@ -718,13 +705,13 @@ def _layout_signature(projection, source, layout_before, layout_after, norm, siz
     views = [v for v in (source.group_view, source.head_view) if v is not None]
     return (
         tuple(static_shape(projection.node)), projection.layer_width, projection.n_layers, features, head_dim,
-        _plain(sizes.mapping), tuple(static_shape(source.node)), source.col_start, source.head_stride,
+        plain(sizes.mapping), tuple(static_shape(source.node)), source.col_start, source.head_stride,
         source.group_view is not None, source.head_view is not None, source.chain is not None,
-        source.stride, source.n_heads, _plain(source.roles),
+        source.stride, source.n_heads, plain(source.roles),
         tuple(map(_replayed, source.prefix)), tuple(map(_replayed, views)), tuple(map(_replayed, source.chain or [])),
         tuple(map(_replayed, layout_before)), tuple(map(_replayed, layout_after)),
         None if norm is None else (
-            _plain(norm.weight_shape), None if norm.weight is None else tuple(static_shape(norm.weight))
+            plain(norm.weight_shape), None if norm.weight is None else tuple(static_shape(norm.weight))
         ),
     )  # fmt: skip
 
@@ -733,23 +720,9 @@ def _branch_heads(projection, source, layout_before, layout_after, norm, feature
     """The branch's HeadLayout from an index simulation (memoised by `_layout_signature`); NoMatch if the
     branch does not lay out whole heads."""
     sizes = _token_sizes(projection, source, layout_before + layout_after)
-    try:
-        key = _layout_signature(projection, source, layout_before, layout_after, norm, sizes, features, head_dim)
-        outcome = _HEAD_LAYOUTS.get(key)
-    except (TypeError, AttributeError):  # something not plain data: simulate without the memo
-        key, outcome = None, None
-    if outcome is None:
-        try:
-            outcome = _simulate_heads(projection, source, layout_before, layout_after, norm, sizes, features, head_dim)
-        except NoMatch as reason:
-            outcome = (type(reason), str(reason))
-        if key is not None:
-            if len(_HEAD_LAYOUTS) >= _MAX_HEAD_LAYOUTS:
-                _HEAD_LAYOUTS.clear()
-            _HEAD_LAYOUTS[key] = outcome
-    if isinstance(outcome, tuple):
-        raise outcome[0](outcome[1])
-    return dataclasses.replace(outcome, token_axes=list(outcome.token_axes))
+    arguments = (projection, source, layout_before, layout_after, norm, sizes, features, head_dim)
+    heads = _HEAD_LAYOUTS.outcome(lambda: _layout_signature(*arguments), lambda: _simulate_heads(*arguments))
+    return dataclasses.replace(heads, token_axes=list(heads.token_axes))
 
 
 def _simulate_heads(projection, source, layout_before, layout_after, norm, sizes, features: int, head_dim: int) -> HeadLayout:

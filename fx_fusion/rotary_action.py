@@ -34,6 +34,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .probe_sizes import FULL_SIZE, ProbeMismatch, ProbeSizes, probe_call
+from .memo import OutcomeMemo, plain
 from .values import LAYOUT_OPS, ValueKeys
 
 aten = torch.ops.aten
@@ -245,10 +246,7 @@ class _Probe:
                 return (type(a).__name__, *(encode(e) for e in a))
             if isinstance(a, dict):
                 return tuple(sorted((key, encode(v)) for key, v in a.items()))
-            a = _hint(a)
-            if a is not None and not isinstance(a, _PLAIN_VALUES):  # hashed by identity, or not at all
-                raise TypeError(f"{type(a).__name__} argument")
-            return ("value", type(a).__name__, a)
+            return plain(_hint(a))  # TypeError for anything hashed by identity, or not at all
 
         def shapes(value):
             if isinstance(value, torch.Tensor):
@@ -371,34 +369,16 @@ def _factors_share_inputs_with_k(k: torch.fx.Node, inside: dict, same_value: Val
     return bool(factors & same_value.input_mask(k))
 
 
-# Outcomes of `_identify_on` by probe signature (plain data: holds no graph), shared across layers and
-# compiles: a decoder's layers repeat one rotary region, identified once. Bounded; cleared when full.
-_IDENTIFIED: dict = {}
-_MAX_IDENTIFIED = 1024
-_PLAIN_VALUES = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+# Outcomes of `_identify_on` by probe signature: a decoder's layers repeat one rotary region, identified once.
+_IDENTIFIED = OutcomeMemo((NotRotary, ProbeMismatch))
 
 
 def _identify(
     k: torch.fx.Node, out: torch.fx.Node, nodes: list[torch.fx.Node], inside: dict, sizes: ProbeSizes, same_value: ValueKeys
 ) -> Rotation:
     probe = _Probe(k, nodes, inside, sizes, same_value)
-    try:
-        key = probe.signature()
-        outcome = _IDENTIFIED.get(key)
-    except TypeError:  # an argument that is not plain data: identify without the memo
-        key, outcome = None, None
-    if outcome is None:
-        try:
-            outcome = _identify_on(probe)
-        except (NotRotary, ProbeMismatch) as reason:  # outcomes too (their texts name no node)
-            outcome = (type(reason), str(reason))
-        if key is not None:
-            if len(_IDENTIFIED) >= _MAX_IDENTIFIED:
-                _IDENTIFIED.clear()
-            _IDENTIFIED[key] = outcome
-    if isinstance(outcome[0], type):
-        raise outcome[0](outcome[1])
-    rotary_dim, interleaved, sin_negated, tables = outcome
+    # refusals are outcomes too (their texts name no node)
+    rotary_dim, interleaved, sin_negated, tables = _IDENTIFIED.outcome(probe.signature, lambda: _identify_on(probe))
     cos, sin = (Table(probe.tables[index], mode, part) for index, mode, part in tables)
     return Rotation(out=out, cos=cos, sin=sin, rotary_dim=rotary_dim, interleaved=interleaved, sin_negated=sin_negated)
 

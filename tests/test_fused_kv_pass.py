@@ -23,6 +23,7 @@ from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
 import fx_fusion
 from fx_fusion import drafts, kv_patterns
+from fx_fusion.memo import OutcomeMemo
 from fx_fusion.diagnostics import RecordSink
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -275,7 +276,7 @@ def test_a_repeated_rotary_region_is_identified_once(monkeypatch):
 
     identified = []
     identify_on = rotary_action._identify_on
-    monkeypatch.setattr(rotary_action, "_IDENTIFIED", {})
+    monkeypatch.setattr(rotary_action, "_IDENTIFIED", OutcomeMemo(rotary_action._IDENTIFIED.errors))
     monkeypatch.setattr(rotary_action, "_identify_on", lambda probe: identified.append(probe) or identify_on(probe))
     module = drafts.qwen3_context_kv(4)
     inputs = drafts.example_inputs(module, seq_len=6)
@@ -294,7 +295,7 @@ def test_a_repeated_head_layout_is_simulated_once(monkeypatch):
     compile still matches eager."""
     simulated = []
     simulate_heads = kv_patterns._simulate_heads
-    monkeypatch.setattr(kv_patterns, "_HEAD_LAYOUTS", {})
+    monkeypatch.setattr(kv_patterns, "_HEAD_LAYOUTS", OutcomeMemo(kv_patterns._HEAD_LAYOUTS.errors))
     monkeypatch.setattr(kv_patterns, "_simulate_heads", lambda *args: simulated.append(args) or simulate_heads(*args))
     records = []
     for build in (drafts.qwen3_context_kv, drafts.llama_context_kv):  # llama: no K norm between the views
