@@ -207,12 +207,15 @@ def _viewed_grouped_linear(node: torch.fx.Node) -> tuple[Optional[torch.fx.Node]
 def _k_columns(grouped: torch.fx.Node, k_proj: torch.fx.Node, num_heads: int, head_dim: int) -> Optional[tuple]:
     """(column, block_stride, head_stride) of head h of block b in the grouped output, from the fake values
     of the output [N, columns] and of k_proj, a view of it [N, blocks, heads * head_dim] or [N, blocks, heads,
-    head_dim]; None unless k_proj's tokens are the output's rows and its elements adjacent."""
+    head_dim]; None unless k_proj shares the output's storage, its tokens are the output's rows and its
+    elements are adjacent."""
     out, k = grouped.meta.get("val"), k_proj.meta.get("val")
     if not isinstance(out, torch.Tensor) or not isinstance(k, torch.Tensor) or out.dim() != 2 or k.dim() not in (3, 4):
         return None
     sizes = (*out.shape, *out.stride(), out.storage_offset(), *k.shape, *k.stride(), k.storage_offset())
     if not all(isinstance(v, int) for v in sizes) or not out.is_contiguous():  # symbolic sizes: no guards
+        return None
+    if k.untyped_storage()._cdata != out.untyped_storage()._cdata:  # not a view of the output after all
         return None
     columns = out.shape[1]
     token_stride, block_stride, element_stride = k.stride()[0], k.stride()[1], k.stride()[-1]

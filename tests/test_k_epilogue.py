@@ -294,6 +294,8 @@ def test_k_columns_need_the_output_rows_as_tokens() -> None:
         assert _k_columns(_fake_node(out), _fake_node(strided_tokens), 1, 16) is None
         one_token = out[:1].view(1, 2, 32)[:, :, :16]
         assert _k_columns(_fake_node(out[:1]), _fake_node(one_token), 1, 16) == (0, 32, 32)
+        copied = torch.empty_strided((4, 2, 16), (64, 32, 1))  # laid out as a view would be, own storage
+        assert _k_columns(_fake_node(out), _fake_node(copied), 1, 16) is None
 
 
 # --------------------------------------------------------------------------------------------------------
