@@ -17,7 +17,7 @@ shapes, one compile per T; torch._dynamo.reset() between compiled variants):
     hand_graph     the same, CUDA-graphed
     sglang_graph   HandFusedContextKV(rope="cache"): SGLang's exact form (one fp32 cos_sin_cache + positions
                    instead of per-token cos/sin computed per call), CUDA-graphed
-    fxf            torch.compile(m, backend="fx_fusion")  (options min_layers=--fxf-min-layers, default 1;
+    fxf            torch.compile(m, backend="fx_fusion")  (options min_layers=--fxf-min-layers when given;
                    the pass's fused-layer count is recorded, and "nf" marks a compile where it fused nothing)
     fxf_graph      the same, CUDA-graphed
     fxf_sep        the same with options gemm_epilogue=False (the K norm/RoPE a kernel of its own after the
@@ -525,9 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", default="bench_out", help="folder for bench_module.json / bench_module.md")
     parser.add_argument(
-        "--fxf-min-layers", type=int, default=1,
-        help="the pass's min_layers option for the fxf columns (default 1, so the 1-layer workload is fused "
-        "too; -1: the backend's own default)",
+        "--fxf-min-layers", type=int, default=None,
+        help="the pass's min_layers option for the fxf columns (default: the backend's, 1)",
     )
     parser.add_argument("--verbose", action="store_true", help="print full tracebacks of failing columns")
     parser.add_argument(
@@ -536,8 +535,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    if args.fxf_min_layers is not None and args.fxf_min_layers < 0:
-        args.fxf_min_layers = None
     if args.seq_lens:
         seq_lens = [int(t) for t in args.seq_lens.split(",") if t]
     else:

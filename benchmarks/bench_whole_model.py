@@ -27,9 +27,10 @@ Columns (each compiled with dynamic=False, one compile per T; torch._dynamo.rese
   *_graph     on CUDA: the warmed-up compiled callable captured in a torch.cuda.CUDAGraph, replay timed
               (bench_module.capture_graph); --no-graph skips these
 
-Timing: CUDA, triton.testing.do_bench(return_mode="all") per-call times, one column after another; CPU,
---repeats rounds in which each column times one block of calls (at least --block-ms long) with
-perf_counter, the columns interleaved so that load from other work hits them alike; the per-call time of
+Timing: CUDA, triton.testing.do_bench(return_mode="all") per-call times in --rounds rounds, each round
+timing every column (plain and graphed) for --rep / --rounds ms in turn, the order rotating between rounds,
+so that clock and host drift hits every column alike; CPU, --repeats rounds in which each column times one
+block of calls (at least --block-ms long) with perf_counter, interleaved the same way; the per-call time of
 each block is one sample (--threads 1 is steadier when other work shares the cores). Cells are the
 median with the 10th-90th percentile spread. Every column's logits are checked against eager (relative
 Frobenius error < 1e-3 in float32, < 4e-2 in bfloat16: stock Inductor itself sits at 2.5e-2 from eager at T=4096) before timing; a failing column is marked FAIL,
@@ -173,11 +174,20 @@ def spread(times_us: list[float]) -> dict[str, float]:
     }
 
 
-def cuda_times(fn: Callable[[], Any], args) -> dict[str, float]:
-    """Per-call microseconds of every do_bench call: median and spread."""
+def cuda_times_interleaved(calls: dict[str, Callable[[], Any]], args) -> dict[str, dict[str, float]]:
+    """Per-call microseconds on CUDA: --rounds rounds, each running do_bench on every column in turn (the
+    order rotating between rounds) for --rep / --rounds ms; median and spread of all per-call times."""
     from triton.testing import do_bench
 
-    return spread([t * 1e3 for t in do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="all")])
+    names = list(calls)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(args.rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            with freezing_on(name.startswith("freezing")):
+                times = do_bench(calls[name], warmup=args.warmup, rep=args.rep / args.rounds, return_mode="all")
+            samples[name] += [t * 1e3 for t in times]
+    return {name: spread(samples[name]) for name in names}
 
 
 def cpu_times_interleaved(calls: dict[str, Callable[[], Any]], args) -> dict[str, dict[str, float]]:
@@ -356,10 +366,7 @@ def run_config(model, ids, kwargs, ref, device, args, tol: float, tag: str) -> d
             _check(cell, cell.pop("out"), ref, tol)
             calls[column] = call
     if device.type == "cuda":
-        for column, call in calls.items():
-            with freezing_on(column == "freezing"):
-                row[column].update(cuda_times(call, args))
-            _log_cell(tag, column, row[column])
+        timed = dict(calls)
         if not args.no_graph:
             for column, call in calls.items():
                 name = column + "_graph"
@@ -368,14 +375,16 @@ def run_config(model, ids, kwargs, ref, device, args, tol: float, tag: str) -> d
                     with freezing_on(column == "freezing"):
                         replay = capture_graph(call, device)
                         _check(cell, replay(), ref, tol)
-                        cell.update(cuda_times(replay, args))
-                    del replay
-                    _log_cell(tag, name, cell)
+                    timed[name] = replay
                 except Exception as exc:
                     cell["error"] = short_error(exc)
                     log(f"{tag} {name:>16}: -  ERROR {cell['error']}")
                     if args.verbose:
                         traceback.print_exc()
+        for name, times in cuda_times_interleaved(timed, args).items():
+            row[name].update(times)
+            _log_cell(tag, name, row[name])
+        timed.clear()
     elif calls:
         for column, times in cpu_times_interleaved(calls, args).items():
             row[column].update(times)
@@ -490,7 +499,8 @@ def main(argv: list[str] | None = None) -> int:
         help="CPU: torch.set_num_threads (default: torch's own); 1 is steadier on a machine shared with other work",
     )
     parser.add_argument("--warmup", type=int, default=25, help="CUDA: do_bench warmup (ms)")
-    parser.add_argument("--rep", type=int, default=200, help="CUDA: do_bench rep (ms)")
+    parser.add_argument("--rep", type=int, default=200, help="CUDA: do_bench time per column (ms), over all rounds")
+    parser.add_argument("--rounds", type=int, default=5, help="CUDA: interleaved timing rounds")
     parser.add_argument("--out", default="bench_out", help="folder for bench_whole_model.json / .md")
     parser.add_argument("--verbose", action="store_true", help="print full tracebacks of failing columns")
     args = parser.parse_args(argv)

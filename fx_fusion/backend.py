@@ -1,10 +1,10 @@
 """The `fx_fusion` torch.compile backend: Inductor with FusedKVPass installed.
 
     torch.compile(model, backend="fx_fusion")
-    torch.compile(model, backend="fx_fusion", options={"min_layers": 1, "freezing": True})
+    torch.compile(model, backend="fx_fusion", options={"min_layers": 2, "freezing": True})
     torch.compile(model, backend="fx_fusion", mode="reduce-overhead")
 
-Options of the pass: `min_layers` (default 2), `disable` (compile without the pass), `gemm_epilogue`
+Options of the pass: `min_layers` (default 1: a single layer is fused too), `disable` (compile without the pass), `gemm_epilogue`
 (default True; False keeps the K norm/RoPE a kernel of its own after the grouped GEMM). Every other option
 is an Inductor config option, passed through as `torch.compile(options=...)` would. With Inductor
 freezing on, the pass runs on the joint graph, before freezing folds and merges the projection weights.
@@ -33,7 +33,7 @@ def fx_fusion_backend(
 
     inductor_options = dict(list_mode_options(mode)) if mode else {}
     inductor_options.update(options or {})
-    min_layers = inductor_options.pop("min_layers", 2)
+    min_layers = inductor_options.pop("min_layers", 1)
     disable = inductor_options.pop("disable", False)
     gemm_epilogue = inductor_options.pop("gemm_epilogue", True)
     freezing = inductor_options.get("freezing", torch._inductor.config.freezing)

@@ -42,7 +42,7 @@ import torch.fx
 from torch._inductor.pattern_matcher import stable_topological_sort
 
 from . import op_lowering
-from .kv_patterns import NoMatch, depends_on, val
+from .kv_patterns import NoMatch, depends_on, erase_unused, val
 from .values import ValueKeys
 
 aten = torch.ops.aten
@@ -389,16 +389,17 @@ def _scale(builder, writes: list[Write], device) -> Optional[torch.fx.Node]:
     return scale
 
 
-def absorb(graph: torch.fx.Graph, builder, k_all: torch.fx.Node, proj: torch.fx.Node) -> str:
+def absorb(graph: torch.fx.Graph, builder, k_all: torch.fx.Node, proj: torch.fx.Node, in_order: bool) -> str:
     """Rewrite the cache writes of a fused group (module docstring); returns what was absorbed, '' when the
-    group's K is not written to a cache. NoMatch (graph unchanged) when they cannot be absorbed exactly."""
+    group's K is not written to a cache. NoMatch (graph unchanged) when they cannot be absorbed exactly.
+    `in_order`: whether the graph is still in topological order after the group's rewrite."""
     k_paths, k_others = _chains(k_all, set())
     if not k_paths:
         return ""
     if k_all.kwargs.get("token_major"):
         raise NoMatch("the group also holds query heads, which are not cached")
-    stable_topological_sort(graph)  # the group's users after its new nodes; then drop the replaced branches,
-    graph.eliminate_dead_code()  # which still read the projections (V's readers are counted below)
+    if not in_order:  # the group's users after its new nodes
+        stable_topological_sort(graph)
     k_writes, v_writes = plan(k_all, proj, k_paths, k_others)
     writes = k_writes + v_writes
     spec = k_writes[0].slots
@@ -409,7 +410,7 @@ def absorb(graph: torch.fx.Graph, builder, k_all: torch.fx.Node, proj: torch.fx.
     point = max(inputs)  # the last in graph order; the caches' readers follow once the graph is sorted
     device = val(k_all).device
     heads, head_dim = _shape(k_all)[2:]
-    with graph.inserting_after(point):
+    with graph.inserting_before(point.next):  # in the order they are built
         slots = _slots(builder, spec, device)
         template = (
             tuple(k_all.args),
@@ -421,6 +422,7 @@ def absorb(graph: torch.fx.Graph, builder, k_all: torch.fx.Node, proj: torch.fx.
             _scale(builder, v_writes, device),
         )
         cache_dims = list(k_writes[0].cache_dims)
+        builder.finish()  # the values the trace below starts from
 
         def write_all(*values):
             common, v_proj, k_caches, v_caches, slots, k_scale, v_scale = values
@@ -435,6 +437,8 @@ def absorb(graph: torch.fx.Graph, builder, k_all: torch.fx.Node, proj: torch.fx.
             if write.via_flat_view:  # users read the flat view of the written cache
                 cache = builder.call(aten.reshape.default, cache, list(val(write.result).shape))
             write.result.replace_all_uses_with(cache)
+        builder.finish()
+    erase_unused([w.result for w in writes])
     scaled = " (FP8, scaled)" if val(k_writes[0].cache).dtype in _FP8 else ""
     return (
         f"K and V of {len(k_writes)} layers written straight into their caches{scaled}: "

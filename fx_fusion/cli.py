@@ -298,7 +298,7 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("explain", help="report what the pass does to your module")
     e.add_argument("target", metavar="PATH_OR_MODULE:FACTORY", help="file.py:make or package.module:make")
     e.add_argument("--json", action="store_true", help="print the report as JSON")
-    e.add_argument("--min-layers", type=int, default=None, help="fuse groups of at least N layers (default 2)")
+    e.add_argument("--min-layers", type=int, default=None, help="fuse groups of at least N layers (default 1)")
     e.add_argument("--graphs", action="store_true", help="also print the rewritten region before/after")
     e.add_argument("--grad", action="store_true", help="run with autograd enabled (default: torch.no_grad)")
     e.add_argument("--dump", metavar="DIR", default=None, help="write depyf's dumps and the pass's graphs to DIR")

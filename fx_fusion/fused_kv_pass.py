@@ -85,7 +85,7 @@ class FusedKVPass(CustomGraphPass):
 
     def __init__(
         self,
-        min_layers: int = 2,
+        min_layers: int = 1,
         enabled: bool = True,
         stage: str = "post_grad",
         inline_ops: bool = True,
@@ -140,28 +140,54 @@ class FusedKVPass(CustomGraphPass):
         return get_hash_for_files(files, extra=options)
 
 
+_RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
+
+
 class _GraphBuilder:
-    """Adds nodes at one insertion point, giving each a fake value (Inductor lowers from meta['val'])."""
+    """Adds nodes at one insertion point, giving each a fake value (Inductor lowers from meta['val']). A
+    reshape gets its value once something reads it (`finish` gives the rest theirs), so that a reshape of
+    a reshape nothing else reads is built as one reshape."""
 
     def __init__(self, graph: torch.fx.Graph, fake_mode: Optional[FakeTensorMode]):
         self.graph = graph
         self.fake_mode = fake_mode
         self.created: list[torch.fx.Node] = []
+        self._unvalued: set[torch.fx.Node] = set()
 
     def call(self, target, *args, **kwargs) -> torch.fx.Node:
+        source = args[0] if args else None
+        if target in _RESHAPES and isinstance(source, torch.fx.Node) and source in self._unvalued and not source.users:
+            source.target, source.args = aten.reshape.default, (source.args[0], *args[1:])
+            return source
         node = self.graph.call_function(target, args, kwargs)
         self.created.append(node)  # before its value: a refusal below must still erase it
-        if self.fake_mode is not None:
-            fake_args, fake_kwargs = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
-            with self.fake_mode:
-                node.meta["val"] = target(*fake_args, **fake_kwargs)
+        self._unvalued.add(node)
+        if target not in _RESHAPES:
+            self._give_value(node)
         return node
+
+    def finish(self) -> None:
+        """Give every node added so far its fake value."""
+        for node in self.created:
+            self._give_value(node)
+
+    def _give_value(self, node: torch.fx.Node) -> None:
+        if node not in self._unvalued:
+            return
+        for arg in node.all_input_nodes:
+            self._give_value(arg)
+        self._unvalued.discard(node)
+        if self.fake_mode is not None:
+            fake_args, fake_kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+            with self.fake_mode:
+                node.meta["val"] = node.target(*fake_args, **fake_kwargs)
 
     def erase(self) -> None:
         """Remove every node added so far (none of them has outside users yet)."""
         for node in reversed(self.created):
             self.graph.erase_node(node)
         self.created.clear()
+        self._unvalued.clear()
 
     def replay(self, nodes: list[torch.fx.Node], start: torch.fx.Node) -> torch.fx.Node:
         value = start
@@ -271,14 +297,15 @@ def _find_candidates(graph: torch.fx.Graph, record: PassRecord, same_value: Valu
     return by_input.values()
 
 
-def fuse_kv_groups(graph: torch.fx.Graph, min_layers: int = 2, stack_weights_in_graph: bool = False) -> PassRecord:
+def fuse_kv_groups(graph: torch.fx.Graph, min_layers: int = 1, stack_weights_in_graph: bool = False) -> PassRecord:
     """Find, group and rewrite (module docstring). `stack_weights_in_graph`: spell the grouped GEMM as one
     mm over `cat(weights)` in the graph, for Inductor freezing to fold into one constant (no op call)."""
     record = PassRecord()
     fake_mode = _fake_mode(graph)
     # canonical forms first: in-place column updates as plain chains, projections concatenated along
     # tokens before the norm (z-lab DFlash) as one chain per projection
-    if scatter_forwarding.forward_scattered_views(graph) + token_cats.push_token_cats(graph):
+    scatter_forwarding.forward_scattered_views(graph)
+    if token_cats.push_token_cats(graph):
         graph.eliminate_dead_code()
     same_value = ValueKeys()
     for entry in _find_candidates(graph, record, same_value):
@@ -317,12 +344,14 @@ def fuse_kv_groups(graph: torch.fx.Graph, min_layers: int = 2, stack_weights_in_
                 and not p.weight_transposed
             ]
             try:
-                group = _rewrite_group(graph, fake_mode, members, extra, record, same_value, stack_weights_in_graph)
+                group, in_order = _rewrite_group(graph, fake_mode, members, extra, record, same_value, stack_weights_in_graph)
             except Exception as error:  # never fail a compile: leave the group as it was, say why
                 failures.append(str(error) if isinstance(error, NoMatch) else f"could not be fused ({type(error).__name__}: {error})")
                 logger.debug("fx_fusion: group left alone", exc_info=True)
                 continue
             record.fused_groups.append(group)
+            if not in_order:  # sorted at once: later groups rely on graph order (kv_patterns.depends_on)
+                stable_topological_sort(graph)
             fused_projections |= used | {p.node for p in extra}
             fused_keys = keys
             break
@@ -343,9 +372,6 @@ def fuse_kv_groups(graph: torch.fx.Graph, min_layers: int = 2, stack_weights_in_
             for branch in members:
                 record.rejected.append(Rejection(reason, node_location(branch.projection.node)))
         _explain_plain_projections(entry, fused_projections, record)
-    if record.fused_groups:
-        stable_topological_sort(graph)
-        graph.eliminate_dead_code()
     return record
 
 
@@ -597,9 +623,14 @@ def _rewrite_group(
                 table_sizes[table.node] = _rotary_table_sizes(table.node, branch, hidden)
     before = _region_text(graph, projections, branches)
 
+    # The replacement goes just before the first projection, so that every reader of a replaced node
+    # follows it; inputs formed later (e.g. tables a layer computes after its projections) move there
+    # first when they are pure. Else it goes after the last input, and the graph is sorted afterwards.
+    first_projection = min(p.node for p in projections)
+    point = first_projection if kv_patterns.hoist_before(first_projection, inputs) else max(inputs).next
     builder = _GraphBuilder(graph, fake_mode)
     try:
-        with graph.inserting_after(max(inputs)):  # the last input (nodes compare by their place in the graph)
+        with graph.inserting_before(point):  # in the order they are built
             weights = [w for p in projections for w in p.weights]
             biases = [b for p in projections for b in p.biases]
             proj = _grouped_gemm(builder, x2d, weights, biases, stack_in_graph)
@@ -684,14 +715,19 @@ def _rewrite_group(
             for projection in projections:
                 start = offsets[projection.node]
                 pieces.append((projection.node, builder.call(aten.slice.Tensor, proj, 1, start, start + projection.out_features)))
+            builder.finish()
     except Exception as error:  # e.g. the op's fake kernel refusing the shapes: leave the graph as it was
         builder.erase()
         raise NoMatch(f"could not build the fused replacement ({type(error).__name__}: {error})") from error
+    # (after the last input, an earlier reader of a replaced node needs the sort)
+    in_order = all(new < user for old, new in new_outputs + pieces for user in old.users)
     for old, new in new_outputs + pieces:
         old.replace_all_uses_with(new)
+    kv_patterns.erase_unused([old for old, _ in new_outputs + pieces] + [new for _, new in pieces])
     cache_builder = _GraphBuilder(graph, fake_mode)
     try:
-        cache_note = cache_writes.absorb(graph, cache_builder, k_all, proj)
+        cache_note = cache_writes.absorb(graph, cache_builder, k_all, proj, in_order)
+        in_order &= not cache_note  # its writes' readers now read caches written after them
     except Exception as error:  # the group stays fused; its cache writes stay as written
         cache_builder.erase()
         reason = str(error) if isinstance(error, NoMatch) else f"{type(error).__name__}: {error}"
@@ -700,7 +736,7 @@ def _rewrite_group(
     angles = rotary_angles.outer_products_to_mul(graph, fake_mode, tables)
     record.graph_before += before
     record.graph_after += "\n".join(n.format_node() for n in angles + builder.created + cache_builder.created) + "\n"
-    return FusedGroup(
+    group = FusedGroup(
         n_layers=sum(b.n_layers for b in branches),
         num_kv_heads=unit,
         head_dim=head_dim,
@@ -715,6 +751,8 @@ def _rewrite_group(
         layer_heads=[b.heads.num_heads for b in branches for _ in range(b.n_layers)],
         cache_writes=cache_note,
     )
+    return group, in_order
+
 
 
 def _strided_piece(builder: _GraphBuilder, k_all: torch.fx.Node, block: int, count: int, source) -> torch.fx.Node:

@@ -1018,14 +1018,48 @@ def _column_slices(node: torch.fx.Node, rank: int, width: int, offset: int) -> O
 
 
 def depends_on(inputs: list[torch.fx.Node], forbidden: set) -> bool:
-    """Whether any of `inputs` is in `forbidden` or computed from one."""
+    """Whether any of `inputs` is in `forbidden` or computed from one. The graph must be in topological
+    order: what comes before the earliest of `forbidden` cannot read it, and is not walked."""
+    if not forbidden:
+        return False
+    earliest = min(forbidden)  # nodes compare by their place in the graph
     seen, stack = set(), list(inputs)
     while stack:
         node = stack.pop()
         if node in forbidden:
             return True
-        if node in seen:
+        if node in seen or node < earliest:
             continue
         seen.add(node)
         stack.extend(node.all_input_nodes)
     return False
+
+
+def erase_unused(nodes: list[torch.fx.Node]) -> None:
+    """Erase each of `nodes` that nothing reads and that has no effect, then what only those read, and so on:
+    what a rewrite replaced, without a dead-code pass over the whole graph."""
+    pending, erased = list(nodes), set()
+    while pending:
+        node = pending.pop()
+        if node in erased or node.users or node.op != "call_function" or node.is_impure():
+            continue
+        pending.extend(node.all_input_nodes)
+        erased.add(node)
+        node.graph.erase_node(node)
+
+
+def hoist_before(anchor: torch.fx.Node, nodes: list[torch.fx.Node]) -> bool:
+    """Move `nodes`, and what they read that comes after `anchor`, to just before `anchor` (in graph order);
+    False, moving nothing, when one of them is or reads `anchor`, or is not a pure call."""
+    moving, stack = set(), [n for n in nodes if n > anchor]
+    while stack:
+        node = stack.pop()
+        if node in moving:
+            continue
+        if node is anchor or node.op != "call_function" or node.is_impure():
+            return False
+        moving.add(node)
+        stack.extend(n for n in node.all_input_nodes if n > anchor)
+    for node in sorted(moving):  # nodes compare by their place in the graph
+        anchor.prepend(node)
+    return True

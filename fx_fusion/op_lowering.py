@@ -32,6 +32,8 @@ from torch._subclasses.functional_tensor import (
 )
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from .kv_patterns import hoist_before
+
 logger = logging.getLogger("fx_fusion")
 
 
@@ -101,14 +103,18 @@ def insert_traced(
     inputs: list[torch.fx.Node] = []
     torch.fx.map_arg(template, inputs.append)
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
-    before = set(graph.nodes)
+    copies = dict(zip(placeholders, inputs))  # graph_copy maps each traced node to its copy here
+
+    def added() -> list[torch.fx.Node]:
+        return [copies[n] for n in traced.graph.nodes if n.op not in ("placeholder", "output") and n in copies]
+
     try:
-        outputs = graph.graph_copy(traced.graph, dict(zip(placeholders, inputs)))
+        outputs = graph.graph_copy(traced.graph, copies)
     except Exception:
-        for added in reversed([n for n in graph.nodes if n not in before]):
-            graph.erase_node(added)
+        for node in reversed(added()):
+            graph.erase_node(node)
         raise
-    return Inserted(outputs, [n for n in graph.nodes if n not in before])
+    return Inserted(outputs, added())
 
 
 def inline_call(
@@ -229,23 +235,6 @@ def _k_columns(grouped: torch.fx.Node, k_proj: torch.fx.Node, num_heads: int, he
     return k.storage_offset() - out.storage_offset(), block_stride, head_stride
 
 
-def _hoist_before(anchor: torch.fx.Node, nodes: list[torch.fx.Node], position: dict) -> bool:
-    """Move `nodes`, and what they read that comes after `anchor`, to just before `anchor` (in graph order);
-    False, moving nothing, when one of them reads `anchor` or is not a pure call."""
-    moving, stack = set(), [n for n in nodes if position[n] > position[anchor]]
-    while stack:
-        node = stack.pop()
-        if node in moving:
-            continue
-        if node is anchor or node.op != "call_function" or node.is_impure():
-            return False
-        moving.add(node)
-        stack.extend(n for n in node.all_input_nodes if position[n] > position[anchor])
-    for node in sorted(moving, key=position.__getitem__):
-        anchor.prepend(node)
-    return True
-
-
 K_EPILOGUE_DEVICE_TYPES = frozenset({"cuda"})  # where grouped_linear_k_epilogue_body has a launch
 
 
@@ -291,7 +280,7 @@ def _fuse_k_epilogues(graph: torch.fx.Graph, traces: dict) -> tuple[int, list[st
     """Lower each grouped_linear call whose K heads a materialize_k call reads (through views) together with
     that call, as one launch (grouped_linear.grouped_linear_k_epilogue_body); returns how many pairs, and
     why other materialize_k calls keep their own kernel. Those are lowered one by one."""
-    position, fused, notes = None, 0, []  # position: graph order, rebuilt after each change
+    fused, notes = 0, []
     for node in list(graph.nodes):
         if node.target is not torch.ops.fx_fusion.materialize_k.default:
             continue
@@ -305,13 +294,9 @@ def _fuse_k_epilogues(graph: torch.fx.Graph, traces: dict) -> tuple[int, list[st
             continue
         k_proj, grouped, chain, template, traced = plan
         # The launch replaces the grouped_linear call: the norm/RoPE inputs must be ready there.
-        position = position or {n: i for i, n in enumerate(graph.nodes)}
-        others = [n for n in node.all_input_nodes if n is not k_proj]
-        if any(position[n] > position[grouped] for n in others):
-            if not _hoist_before(grouped, others, position):
-                notes.append(f"{node.name}: an input depends on {grouped.name}")
-                continue
-        position = None  # the graph changes below (or has changed above)
+        if not hoist_before(grouped, [n for n in node.all_input_nodes if n is not k_proj]):
+            notes.append(f"{node.name}: an input depends on {grouped.name}")
+            continue
         try:
             with graph.inserting_before(grouped):
                 projection, k_out = insert_traced(graph, _k_epilogue_body, template, traced).outputs

@@ -11,7 +11,8 @@ cuts of that scatter. Two exact identities turn these back into plain chains:
   reshape of the same tensor spelled twice is one node (the views functionalisation regenerates).
 
 Only equal values are substituted, so the graph computes the same as before whether or not a group is
-fused afterwards; the scatters left without users are removed with the other dead code.
+fused afterwards; what is left without readers is erased (a dead-code pass over the graph once a scatter
+was bypassed: functionalisation leaves more of them than the bypassed nodes lead back to).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Optional
 import torch
 import torch.fx
 
-from .kv_patterns import is_call, static_shape, val
+from .kv_patterns import erase_unused, is_call, static_shape, val
 
 aten = torch.ops.aten
 _RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
@@ -80,17 +81,21 @@ def _scattered(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, torch.fx.No
 def forward_scattered_views(graph: torch.fx.Graph, rounds: int = 8) -> int:
     """Apply the module docstring's identities until none applies (one may uncover another: a reshape
     round trip can reveal that a cut reads a scatter); returns how many nodes were replaced."""
-    total = 0
+    bypassed: list[torch.fx.Node] = []
     for _ in range(rounds):
         replaced = _forward_once(graph)
-        total += replaced
+        bypassed += replaced
         if not replaced:
             break
-    return total
+    if any(_cut(node) is not None for node in bypassed):
+        graph.eliminate_dead_code()
+    else:  # only repeated reshapes and reshape round trips
+        erase_unused(bypassed)
+    return len(bypassed)
 
 
-def _forward_once(graph: torch.fx.Graph) -> int:
-    replaced, reshapes = 0, {}
+def _forward_once(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    replaced, reshapes = [], {}
     for node in list(graph.nodes):
         if not node.users:  # already bypassed (dead code until the caller removes it)
             continue
@@ -99,7 +104,7 @@ def _forward_once(graph: torch.fx.Graph) -> int:
             first = reshapes.setdefault(key, node)
             if first is not node:  # the same reshape of the same tensor, spelled again: one node
                 node.replace_all_uses_with(first)
-                replaced += 1
+                replaced.append(node)
                 continue
         cut = _cut(node)
         replacement = None
@@ -124,5 +129,5 @@ def _forward_once(graph: torch.fx.Graph) -> int:
                 replacement = inner
         if replacement is not None:
             node.replace_all_uses_with(replacement)
-            replaced += 1
+            replaced.append(node)
     return replaced

@@ -140,7 +140,9 @@ def _grouped_gemv_kernel(
     features [split * k_per_split, (split + 1) * k_per_split) of its split (all of K when SPLIT_K is 1).
 
     step_xk, step_wk = BLOCK_K * stride_xk, BLOCK_K * stride_wk, computed on the host (so an int64 argument
-    when past 2**31). Unused weight / bias slots hold any valid pointer (the first weight).
+    when past 2**31). Pointers the launch does not read (weight, bias and norm slots past the count, the
+    split-K scratch without splits, the epilogue's without an epilogue) are None: constexprs that Triton
+    and Inductor do not pass at launch, which keeps the per-launch host cost down.
     SPLIT_K > 1: each split stores its float32 partial tile in partial [SPLIT_K, N, columns] (strides
     stride_ps, stride_pn, 1) and counts itself in arrivals[tile] (int32, zero before the launch);
     the last split to arrive sums the partials in split order (the same sum whatever the arrival order)
@@ -503,13 +505,13 @@ def epilogue_launch_config(
     return config
 
 
-def _epilogue_arguments(epilogue: KEpilogue | None, column_shift: int, fallback: torch.Tensor) -> tuple[tuple, dict]:
+def _epilogue_arguments(epilogue: KEpilogue | None, column_shift: int) -> tuple[tuple, dict]:
     """The kernel's K-epilogue arguments and constexprs, with the K columns shifted by `column_shift` (a
-    later launch's first column). Without an epilogue: stand-ins (any valid pointer, no K heads)."""
+    later launch's first column). Without an epilogue: no pointers (None) and no K heads."""
     if epilogue is None:
         zeros4 = (0, 0, 0, 0)
-        args = (fallback, 0, 1, 1, 0, 0, *zeros4, *(fallback,) * MAX_WEIGHTS_PER_LAUNCH, 0, 0, fallback, 0, 0.0)
-        args += (fallback, fallback, fallback, 0, *(0,) * 7)
+        args = (None, 0, 1, 1, 0, 0, *zeros4, *(None,) * MAX_WEIGHTS_PER_LAUNCH, 0, 0, None, 0, 0.0)
+        args += (None, None, None, 0, *(0,) * 7)
         return args, dict(
             K_EPILOGUE=False, ROTARY_DIM=2, INTERLEAVED=False, HAS_NORM=False, NUM_NORM_WEIGHTS=1,
             HAS_EPS_TENSOR=False, USE_POSITIONS=False, NORM_WEIGHT_OFFSET=0.0, NORM_WEIGHT_IN_FLOAT32=False,
@@ -517,16 +519,16 @@ def _epilogue_arguments(epilogue: KEpilogue | None, column_shift: int, fallback:
         )  # fmt: skip
     e = epilogue
     n_blocks, _, heads, _ = e.k_out.shape
-    norms = list(e.norm_weights) or [e.k_out]
+    norms = list(e.norm_weights)
     table = len(norms) == 1 and norms[0].dim() == 2
     positions = e.positions is not None
     per_token_strides = lambda t: (0, *t.stride()) if t.dim() == 2 else t.stride()  # noqa: E731
     args = (
         e.k_out, e.column - column_shift, e.block_stride, e.head_stride, n_blocks, heads, *e.k_out.stride(),
-        *norms, *[norms[0]] * (MAX_WEIGHTS_PER_LAUNCH - len(norms)),
-        *(norms[0].stride() if table else (0, norms[0].stride(0))),
-        e.eps if e.eps is not None else e.k_out, e.eps.stride(0) if e.eps is not None else 0, float(e.eps_value),
-        e.cos, e.cos if positions else e.sin, e.positions if positions else e.k_out,
+        *norms, *[None] * (MAX_WEIGHTS_PER_LAUNCH - len(norms)),
+        *(norms[0].stride() if table else (0, norms[0].stride(0)) if norms else (0, 0)),
+        e.eps, e.eps.stride(0) if e.eps is not None else 0, float(e.eps_value),
+        e.cos, None if positions else e.sin, e.positions,
         e.cos.shape[0] if positions else 0,
         *((0, *e.cos.stride()) if positions else per_token_strides(e.cos)),
         *((0, 0, 0) if positions else per_token_strides(e.sin)),
@@ -534,7 +536,7 @@ def _epilogue_arguments(epilogue: KEpilogue | None, column_shift: int, fallback:
     )  # fmt: skip
     return args, dict(
         K_EPILOGUE=True, ROTARY_DIM=e.rotary_dim, INTERLEAVED=e.interleaved, HAS_NORM=bool(e.norm_weights),
-        NUM_NORM_WEIGHTS=1 if table else len(norms), HAS_EPS_TENSOR=e.eps is not None, USE_POSITIONS=positions,
+        NUM_NORM_WEIGHTS=1 if table else max(1, len(norms)), HAS_EPS_TENSOR=e.eps is not None, USE_POSITIONS=positions,
         NORM_WEIGHT_OFFSET=float(e.norm_weight_offset), NORM_WEIGHT_IN_FLOAT32=e.norm_weight_in_float32,
         NORM_ROUND_BEFORE_ROPE=e.norm_round_before_rope,
     )  # fmt: skip
@@ -589,9 +591,9 @@ def launch_grouped_gemv(
         config.update({key: value for key, value in overrides.items() if value is not None})
         if config["SPLIT_K"] < 1:
             raise ValueError(f"split_k must be >= 1, got {config['SPLIT_K']}")
-        pad = MAX_WEIGHTS_PER_LAUNCH - g
-        w_args = chunk_w + [chunk_w[0]] * pad  # unused slots: any valid pointer of the right type
-        b_args = (chunk_b + [chunk_b[0]] * pad) if chunk_b else [chunk_w[0]] * MAX_WEIGHTS_PER_LAUNCH
+        pad = [None] * (MAX_WEIGHTS_PER_LAUNCH - g)  # unused slots
+        w_args = chunk_w + pad
+        b_args = chunk_b + pad if chunk_b else [None] * MAX_WEIGHTS_PER_LAUNCH
         # Splits of whole K steps, none empty.
         k_per_split = triton.cdiv(triton.cdiv(k, config["BLOCK_K"]), config["SPLIT_K"]) * config["BLOCK_K"]
         config["SPLIT_K"] = triton.cdiv(k, k_per_split)
@@ -600,8 +602,8 @@ def launch_grouped_gemv(
         if config["SPLIT_K"] > 1:
             partial = torch.empty((config["SPLIT_K"], n, g * rows), dtype=torch.float32, device=x.device)
             arrivals = torch.zeros(token_blocks * column_programs, dtype=torch.int32, device=x.device)
-        else:  # not read: any valid pointers
-            partial, arrivals = chunk_out, x
+        else:  # not read
+            partial, arrivals = None, None
         args = (
             x,
             chunk_out,
@@ -625,7 +627,7 @@ def launch_grouped_gemv(
             partial.stride(0) if config["SPLIT_K"] > 1 else 0,
             partial.stride(1) if config["SPLIT_K"] > 1 else 0,
         )
-        epilogue_args, epilogue_meta = _epilogue_arguments(k_epilogue, start * rows, x)
+        epilogue_args, epilogue_meta = _epilogue_arguments(k_epilogue, start * rows)
         args += epilogue_args
         # The interpreter's tl.dot multiplies bfloat16's raw uint16 storage: there, bfloat16 tiles are
         # widened to float32 first (exact products) and multiplied with input_precision="ieee".

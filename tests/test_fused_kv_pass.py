@@ -313,19 +313,115 @@ def test_a_repeated_head_layout_is_simulated_once(monkeypatch):
     assert all(plain(key) for key in kv_patterns._HEAD_LAYOUTS)
 
 
-def test_single_layer_needs_min_layers_option():
+class _LateTables(nn.Module):
+    """K/V of a few layers over one input, each layer computing its cos/sin itself after its projections
+    (the fused group's tables are then an input that comes after the first layer's projections)."""
+
+    def __init__(self, n_layers: int = 3, hidden: int = 64, heads: int = 2, head_dim: int = 16):
+        super().__init__()
+        self.k = nn.ModuleList(nn.Linear(hidden, heads * head_dim, bias=False) for _ in range(n_layers))
+        self.v = nn.ModuleList(nn.Linear(hidden, heads * head_dim, bias=False) for _ in range(n_layers))
+        self.heads, self.head_dim = heads, head_dim
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+
+    def forward(self, x, positions):
+        outs = []
+        for k_proj, v_proj in zip(self.k, self.v):
+            k = k_proj(x).view(*x.shape[:-1], self.heads, self.head_dim)
+            v = v_proj(x)
+            angles = positions[..., None].float() * self.inv_freq
+            emb = torch.cat([angles, angles], dim=-1)[..., None, :]
+            outs += [k * emb.cos() + rotate(k, False) * emb.sin(), v]
+        return tuple(outs)
+
+
+def test_rewrite_keeps_graph_order_without_a_sort(monkeypatch):
+    """The replacement is built in order before the group's first projection, with inputs formed later
+    (tables a layer computes after its projections) moved there first: no graph-wide sort. When they cannot
+    move, it goes after the last input and the graph is sorted; every case matches eager."""
+    from fx_fusion import fused_kv_pass
+
+    sorts = []
+    sort = fused_kv_pass.stable_topological_sort
+    monkeypatch.setattr(fused_kv_pass, "stable_topological_sort", lambda graph: sorts.append(graph) or sort(graph))
+
+    class LintingPass(CountingPass):
+        def __call__(self, graph):
+            super().__call__(graph)
+            graph.lint()  # every node after its inputs
+
+    late_inputs = (torch.randn(1, 5, 64), torch.arange(5)[None])
+    cases = [
+        (drafts.qwen3_context_kv(3), drafts.example_inputs(drafts.qwen3_context_kv(3), seq_len=5), True, 0),
+        (_LateTables(), late_inputs, True, 0),
+        (_LateTables(), late_inputs, False, 1),
+    ]
+    for module, inputs, can_move, expected_sorts in cases:
+        sorts.clear()
+        if not can_move:
+            monkeypatch.setattr(kv_patterns, "hoist_before", lambda anchor, nodes: False)
+        counting = LintingPass()
+        with torch.no_grad():
+            torch._dynamo.reset()
+            ref = module(*inputs)
+            got = torch.compile(module, options={"post_grad_custom_post_pass": counting})(*inputs)
+        assert_close_outputs(got, ref, torch.float32)
+        assert only_fused_groups(counting.records)[0].n_layers == 3
+        assert len(sorts) == expected_sorts
+
+
+def test_rewrite_builds_no_reshape_of_a_reshape():
+    """Reshapes the rewrite builds one after another (a branch's output re-laid out as the original) are
+    one reshape: no new reshape reads another new reshape that only it reads."""
+    reshapes = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
+
+    class NewNodesPass(CountingPass):
+        def __call__(self, graph):
+            old = set(graph.nodes)
+            super().__call__(graph)
+            self.new = [n for n in graph.nodes if n not in old]
+
+    module = drafts.qwen3_context_kv(3)
+    inputs = drafts.example_inputs(module, seq_len=5)
+    counting = NewNodesPass()
+    with torch.no_grad():
+        got = torch.compile(module, options={"post_grad_custom_post_pass": counting})(*inputs)
+    assert_close_outputs(got, module(*inputs), torch.float32)
+    new = set(counting.new)
+    new_reshapes = [n for n in counting.new if n.target in reshapes]
+    assert new_reshapes  # the branch outputs are laid out with reshapes
+    chained = [n for n in new_reshapes if n.args[0] in new and n.args[0].target in reshapes and len(n.args[0].users) == 1]
+    assert not chained, [n.format_node() for n in chained]
+
+
+def test_erase_unused_removes_only_what_nothing_reads():
+    graph = torch.fx.Graph()
+    x, cache = graph.placeholder("x"), graph.placeholder("cache")
+    shared = graph.call_function(aten.neg.default, (x,))
+    replaced = graph.call_function(aten.mul.Tensor, (graph.call_function(aten.exp.default, (shared,)), 2))
+    kept = graph.call_function(aten.sin.default, (shared,))
+    written = graph.call_function(aten.copy_.default, (cache, shared))  # an effect: never erased
+    graph.output((kept,))
+    kv_patterns.erase_unused([replaced, written, x])
+    assert [n.target for n in graph.nodes if n.op == "call_function"] == [
+        aten.neg.default, aten.sin.default, aten.copy_.default,
+    ]  # fmt: skip
+    graph.lint()
+
+
+def test_single_layer_fused_by_default_and_min_layers_leaves_it_alone():
     module = drafts.qwen3_context_kv(1)
     inputs = drafts.example_inputs(module, seq_len=4)
     with torch.no_grad():
         ref = module(*inputs)
         compiled, counting = compile_counting(module)
         assert_close_outputs(compiled(*inputs), ref, torch.float32)
-        assert not counting.records[0].fused_groups
-        assert "min_layers=2" in counting.records[0].rejected[0].reason
-        torch._dynamo.reset()
-        compiled, counting = compile_counting(module, min_layers=1)
-        assert_close_outputs(compiled(*inputs), ref, torch.float32)
         assert counting.records[0].fused_groups[0].n_layers == 1
+        torch._dynamo.reset()
+        compiled, counting = compile_counting(module, min_layers=2)
+        assert_close_outputs(compiled(*inputs), ref, torch.float32)
+        assert not counting.records[0].fused_groups
+        assert "only 1 matching layer(s) share this input; min_layers=2" in counting.records[0].rejected[0].reason
 
 
 @pytest.mark.parametrize("device", DEVICES)
