@@ -27,11 +27,13 @@ Columns (each compiled with dynamic=False, one compile per T; torch._dynamo.rese
   *_graph     on CUDA: the warmed-up compiled callable captured in a torch.cuda.CUDAGraph, replay timed
               (bench_module.capture_graph); --no-graph skips these
 
-Timing: CUDA, triton.testing.do_bench(return_mode="all") per-call times in --rounds rounds, each round
-timing every column (plain and graphed) for --rep / --rounds ms in turn, the order rotating between rounds,
-so that clock and host drift hits every column alike; CPU, --repeats rounds in which each column times one
-block of calls (at least --block-ms long) with perf_counter, interleaved the same way; the per-call time of
-each block is one sample (--threads 1 is steadier when other work shares the cores). Cells are the
+Timing: the uncaptured columns (CPU and CUDA) in --repeats rounds in which each column times one block of
+back-to-back calls (at least --block-ms long, one synchronize at its end on CUDA) with perf_counter, the
+order rotating between rounds so that load from other work and clock drift hit every column alike; the
+per-call time of each block is one sample (--threads 1 is steadier when other work shares the cores). This
+is how a decode loop calls the model: where a call is bound by host work, its launches overlap the previous
+call's kernels. The CUDA-graphed columns: triton.testing.do_bench(return_mode="all") per-call times of the
+replay in --rounds rounds, each timing every graphed column for --rep / --rounds ms in turn, rotating too. Cells are the
 median with the 10th-90th percentile spread. Every column's logits are checked against eager (relative
 Frobenius error < 1e-3 in float32, < 4e-2 in bfloat16: stock Inductor itself sits at 2.5e-2 from eager at T=4096) before timing; a failing column is marked FAIL,
 one that cannot be built or run shows "-" and its error is printed.
@@ -190,16 +192,18 @@ def cuda_times_interleaved(calls: dict[str, Callable[[], Any]], args) -> dict[st
     return {name: spread(samples[name]) for name in names}
 
 
-def cpu_times_interleaved(calls: dict[str, Callable[[], Any]], args) -> dict[str, dict[str, float]]:
-    """Per-call microseconds on the CPU: --repeats rounds, each timing one block of calls of every column in
-    turn (the order rotating between rounds), so that load from other processes hits all columns alike."""
+def block_times_interleaved(calls: dict[str, Callable[[], Any]], args, sync: Callable[[], None]) -> dict[str, dict[str, float]]:
+    """Per-call microseconds of back-to-back calls: --repeats rounds, each timing one block of calls of every
+    column in turn (the order rotating between rounds), `sync()` before a block starts and when it ends."""
     per_block = {}
     for name, fn in calls.items():
         with freezing_on(name == "freezing"):
             for _ in range(3):
                 fn()
+            sync()
             t0 = time.perf_counter()
             fn()
+            sync()
             per_block[name] = max(1, int(args.block_ms / 1e3 / max(time.perf_counter() - t0, 1e-7)))
     names = list(calls)
     samples: dict[str, list[float]] = {name: [] for name in names}
@@ -208,9 +212,11 @@ def cpu_times_interleaved(calls: dict[str, Callable[[], Any]], args) -> dict[str
         for name in names[shift:] + names[:shift]:
             fn, n = calls[name], per_block[name]
             with freezing_on(name == "freezing"):
+                sync()
                 t0 = time.perf_counter()
                 for _ in range(n):
                     fn()
+                sync()
                 samples[name].append((time.perf_counter() - t0) / n * 1e6)
     return {name: {**spread(samples[name]), "calls_per_sample": per_block[name]} for name in names}
 
@@ -366,7 +372,10 @@ def run_config(model, ids, kwargs, ref, device, args, tol: float, tag: str) -> d
             _check(cell, cell.pop("out"), ref, tol)
             calls[column] = call
     if device.type == "cuda":
-        timed = dict(calls)
+        for column, times in block_times_interleaved(calls, args, torch.cuda.synchronize).items():
+            row[column].update(times)
+            _log_cell(tag, column, row[column])
+        replays = {}
         if not args.no_graph:
             for column, call in calls.items():
                 name = column + "_graph"
@@ -375,18 +384,18 @@ def run_config(model, ids, kwargs, ref, device, args, tol: float, tag: str) -> d
                     with freezing_on(column == "freezing"):
                         replay = capture_graph(call, device)
                         _check(cell, replay(), ref, tol)
-                    timed[name] = replay
+                    replays[name] = replay
                 except Exception as exc:
                     cell["error"] = short_error(exc)
                     log(f"{tag} {name:>16}: -  ERROR {cell['error']}")
                     if args.verbose:
                         traceback.print_exc()
-        for name, times in cuda_times_interleaved(timed, args).items():
+        for name, times in cuda_times_interleaved(replays, args).items():
             row[name].update(times)
             _log_cell(tag, name, row[name])
-        timed.clear()
+        replays.clear()
     elif calls:
-        for column, times in cpu_times_interleaved(calls, args).items():
+        for column, times in block_times_interleaved(calls, args, lambda: None).items():
             row[column].update(times)
             _log_cell(tag, column, row[column])
     calls.clear()
@@ -492,15 +501,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--no-graph", action="store_true", help="CUDA: skip the CUDA-graphed columns")
-    parser.add_argument("--repeats", type=int, default=None, help="CPU: timed blocks (default 21, --quick 11)")
-    parser.add_argument("--block-ms", type=float, default=20.0, help="CPU: minimum length of one timed block")
+    parser.add_argument("--repeats", type=int, default=None, help="uncaptured columns: timed blocks (default 21, --quick 11)")
+    parser.add_argument("--block-ms", type=float, default=20.0, help="uncaptured columns: minimum length of one timed block")
     parser.add_argument(
         "--threads", type=int, default=None,
         help="CPU: torch.set_num_threads (default: torch's own); 1 is steadier on a machine shared with other work",
     )
     parser.add_argument("--warmup", type=int, default=25, help="CUDA: do_bench warmup (ms)")
-    parser.add_argument("--rep", type=int, default=200, help="CUDA: do_bench time per column (ms), over all rounds")
-    parser.add_argument("--rounds", type=int, default=5, help="CUDA: interleaved timing rounds")
+    parser.add_argument("--rep", type=int, default=200, help="CUDA-graphed: do_bench time per column (ms), over all rounds")
+    parser.add_argument("--rounds", type=int, default=5, help="CUDA-graphed: interleaved do_bench rounds")
     parser.add_argument("--out", default="bench_out", help="folder for bench_whole_model.json / .md")
     parser.add_argument("--verbose", action="store_true", help="print full tracebacks of failing columns")
     args = parser.parse_args(argv)
@@ -540,7 +549,8 @@ def main(argv: list[str] | None = None) -> int:
         "models": {m: MODELS[m][2] for m in models},
         "tolerance": tol,
         "timing": (
-            f"triton do_bench(warmup={args.warmup} ms, rep={args.rep} ms), all calls"
+            f"uncaptured: {args.repeats} blocks of >= {args.block_ms:g} ms of back-to-back calls, synchronized; "
+            f"graphed: triton do_bench(warmup={args.warmup} ms, rep={args.rep} ms in {args.rounds} rounds), all calls"
             if on_cuda
             else f"{args.repeats} blocks of >= {args.block_ms:g} ms, {torch.get_num_threads()} threads"
         ),

@@ -4,10 +4,11 @@
     torch.compile(model, backend="fx_fusion", options={"min_layers": 2, "freezing": True})
     torch.compile(model, backend="fx_fusion", mode="reduce-overhead")
 
-Options of the pass: `min_layers` (default 1: a single layer is fused too), `disable` (compile without the pass), `gemm_epilogue`
-(default True; False keeps the K norm/RoPE a kernel of its own after the grouped GEMM). Every other option
-is an Inductor config option, passed through as `torch.compile(options=...)` would. With Inductor
-freezing on, the pass runs on the joint graph, before freezing folds and merges the projection weights.
+Options of the pass: `min_layers` (default 1: a single layer is fused too), `disable` (compile without the
+pass), `gemm_epilogue` (default True; False keeps the K norm/RoPE a kernel of its own after the grouped
+GEMM). Every other option is an Inductor config option, passed through as `torch.compile(options=...)`
+would. With Inductor freezing on, the pass runs on the joint graph, before freezing folds and merges the
+projection weights.
 """
 
 from __future__ import annotations

@@ -625,7 +625,8 @@ def _rewrite_group(
 
     # The replacement goes just before the first projection, so that every reader of a replaced node
     # follows it; inputs formed later (e.g. tables a layer computes after its projections) move there
-    # first when they are pure. Else it goes after the last input, and the graph is sorted afterwards.
+    # first when they are pure (harmless if the rewrite is then refused). Else it goes after the last
+    # input, and the graph is sorted afterwards.
     first_projection = min(p.node for p in projections)
     point = first_projection if kv_patterns.hoist_before(first_projection, inputs) else max(inputs).next
     builder = _GraphBuilder(graph, fake_mode)
@@ -719,7 +720,7 @@ def _rewrite_group(
     except Exception as error:  # e.g. the op's fake kernel refusing the shapes: leave the graph as it was
         builder.erase()
         raise NoMatch(f"could not build the fused replacement ({type(error).__name__}: {error})") from error
-    # (after the last input, an earlier reader of a replaced node needs the sort)
+    # placed after the last input, an earlier reader of a replaced node would need a sort
     in_order = all(new < user for old, new in new_outputs + pieces for user in old.users)
     for old, new in new_outputs + pieces:
         old.replace_all_uses_with(new)
@@ -752,7 +753,6 @@ def _rewrite_group(
         cache_writes=cache_note,
     )
     return group, in_order
-
 
 
 def _strided_piece(builder: _GraphBuilder, k_all: torch.fx.Node, block: int, count: int, source) -> torch.fx.Node:
