@@ -862,14 +862,15 @@ _CHAIN_OPS = (aten.view.default, aten.reshape.default, aten.permute.default, ate
 
 
 def _permuted_cuts(projection: Projection, node: torch.fx.Node, prefix: list) -> Optional[list[BranchSource]]:
-    """Strided sources (BranchSource docstring): `node` viewed and permuted, then cut along one axis but
-    the last (litgpt: `qkv.view(B, T, G, q + 2, hs).permute(0, 2, 3, 1, 4).split((q, 1, 1), dim=2)`);
-    a piece whose elements are not whole heads at evenly spaced columns is no source."""
+    """Strided sources (BranchSource docstring): `node` viewed and permuted, then cut along one axis
+    (litgpt: `qkv.view(B, T, G, q + 2, hs).permute(0, 2, 3, 1, 4).split((q, 1, 1), dim=2)`; GPT-NeoX:
+    `qkv.view(B, T, H, 3 * hs).transpose(1, 2).chunk(3, dim=-1)`); a piece whose elements are not whole
+    heads at evenly spaced columns is no source."""
     chain, current = follow_layout(node, _CHAIN_OPS)
     if not any(is_call(n, aten.permute.default, aten.transpose.int) for n in chain):
         return None
     shape = static_shape(current)
-    for axis in range(len(shape) - 1):
+    for axis in range(len(shape)):
         cuts = [_column_ranges(user, current, len(shape), shape[axis], axis=axis) for user in current.users]
         if not cuts or None in cuts:
             continue

@@ -314,3 +314,32 @@ def test_generate_with_compiled_forward_matches_eager(name, cache):
     # prefill and decode graphs each go through the pass, and each accounts for every layer's Q and K
     for record in records:
         check_attention_projections(name, model, [record])
+
+
+def test_gpt_neox_per_head_qkv_fuses_each_layers_k():
+    """GPT-NeoX (Pythia) lays its fused qkv out per head, `qkv.view(B, T, H, 3 * D).transpose(1, 2)` cut
+    with `chunk(3, dim=-1)`, and rotates a quarter of each head: each layer's K is fused (K heads 3 * D
+    columns apart, 4 rotary dims), its Q stays apart (Q and K heads interleave, so they are not evenly
+    spaced blocks: the reason says so), and the logits equal eager."""
+    config = transformers.GPTNeoXConfig(**{**COMMON, "num_attention_heads": 4, "num_key_value_heads": None})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.GPTNeoXForCausalLM(config).eval()
+    ids = input_ids(2)
+    with torch.no_grad():
+        expected = model(ids).logits
+        records: list = []
+        with RecordSink.collect(records):
+            actual = torch.compile(model, backend="fx_fusion")(ids).logits
+    text = describe(records)
+    torch.testing.assert_close(actual, expected, **TOLERANCE, msg=lambda m: f"{m}\n{text}")
+    groups = [g for r in records for g in r.fused_groups]
+    head_dim = config.hidden_size // config.num_attention_heads
+    rotary_fraction = getattr(config, "rotary_pct", None) or config.rope_parameters["partial_rotary_factor"]
+    assert [(g.n_layers, g.num_kv_heads, g.head_dim, g.rotary_dim) for g in groups] == [
+        (1, 4, head_dim, int(head_dim * rotary_fraction))
+    ] * config.num_hidden_layers, text
+    for layer, group in enumerate(groups):
+        assert names_module(group.layers[0], f"gpt_neox.layers.{layer}.attention.query_key_value"), text
+    reasons = [j.reason for r in records for j in r.rejected]
+    assert len(reasons) == config.num_hidden_layers and all("not evenly spaced" in r for r in reasons), text
