@@ -141,8 +141,8 @@ def _grouped_gemv_kernel(
 
     step_xk, step_wk = BLOCK_K * stride_xk, BLOCK_K * stride_wk, computed on the host (so an int64 argument
     when past 2**31). Pointers the launch does not read (weight, bias and norm slots past the count, the
-    split-K scratch without splits, the epilogue's without an epilogue) are None: constexprs that Triton
-    and Inductor do not pass at launch, which keeps the per-launch host cost down.
+    split-K scratch without splits, the epilogue's without an epilogue) are None: constexprs, which Triton's
+    launcher does not pass on (a cheaper launch; Inductor's generated code still lists them).
     SPLIT_K > 1: each split stores its float32 partial tile in partial [SPLIT_K, N, columns] (strides
     stride_ps, stride_pn, 1) and counts itself in arrivals[tile] (int32, zero before the launch);
     the last split to arrive sums the partials in split order (the same sum whatever the arrival order)
