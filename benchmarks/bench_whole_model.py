@@ -182,6 +182,8 @@ def cuda_times_interleaved(calls: dict[str, Callable[[], Any]], args) -> dict[st
     from triton.testing import do_bench
 
     names = list(calls)
+    if not names:
+        return {}
     samples: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(args.rounds):
         shift = round_index % len(names)
@@ -195,6 +197,8 @@ def cuda_times_interleaved(calls: dict[str, Callable[[], Any]], args) -> dict[st
 def block_times_interleaved(calls: dict[str, Callable[[], Any]], args, sync: Callable[[], None]) -> dict[str, dict[str, float]]:
     """Per-call microseconds of back-to-back calls: --repeats rounds, each timing one block of calls of every
     column in turn (the order rotating between rounds), `sync()` before a block starts and when it ends."""
+    if not calls:
+        return {}
     per_block = {}
     for name, fn in calls.items():
         with freezing_on(name == "freezing"):
@@ -394,7 +398,7 @@ def run_config(model, ids, kwargs, ref, device, args, tol: float, tag: str) -> d
             row[name].update(times)
             _log_cell(tag, name, row[name])
         replays.clear()
-    elif calls:
+    else:
         for column, times in block_times_interleaved(calls, args, lambda: None).items():
             row[column].update(times)
             _log_cell(tag, column, row[column])
