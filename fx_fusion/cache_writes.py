@@ -43,7 +43,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 
 from . import op_lowering
 from .kv_patterns import NoMatch, depends_on, erase_unused, val
-from .values import ValueKeys
+from .values import RESHAPES, ValueKeys
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -198,7 +198,7 @@ def _layout(write: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, list, l
     axis = present[0]
     region = shape[:axis] + [lengths.pop()] + shape[present[-1] + 1 :]
     cache = written
-    if written.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+    if written.target in RESHAPES:
         cache = written.args[0]
     return cache, written, [indices[i] for i in present], region, axis
 

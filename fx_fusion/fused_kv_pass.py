@@ -73,7 +73,7 @@ from . import cache_writes, kv_patterns, op_lowering, probe_sizes, rotary_action
 from .diagnostics import FusedGroup, PassRecord, RecordSink, Rejection, node_location
 from .kv_patterns import KBranch, NoMatch, Projection, is_call, val
 from . import memo, values
-from .values import ValueKeys
+from .values import RESHAPES, ValueKeys
 
 logger = logging.getLogger("fx_fusion")
 aten = torch.ops.aten
@@ -140,9 +140,6 @@ class FusedKVPass(CustomGraphPass):
         return get_hash_for_files(files, extra=options)
 
 
-_RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
-
-
 class _GraphBuilder:
     """Adds nodes at one insertion point, giving each a fake value (Inductor lowers from meta['val']). A
     reshape gets its value once something reads it (`finish` gives the rest theirs), so that a reshape of
@@ -156,13 +153,13 @@ class _GraphBuilder:
 
     def call(self, target, *args, **kwargs) -> torch.fx.Node:
         source = args[0] if args else None
-        if target in _RESHAPES and isinstance(source, torch.fx.Node) and source in self._unvalued and not source.users:
+        if target in RESHAPES and isinstance(source, torch.fx.Node) and source in self._unvalued and not source.users:
             source.target, source.args = aten.reshape.default, (source.args[0], *args[1:])
             return source
         node = self.graph.call_function(target, args, kwargs)
         self.created.append(node)  # before its value: a refusal below must still erase it
         self._unvalued.add(node)
-        if target not in _RESHAPES:
+        if target not in RESHAPES:
             self._give_value(node)
         return node
 

@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from . import rotary_action
 from .probe_sizes import FULL_SIZE, ProbeMismatch, ProbeSizes, probe_call
 from .memo import OutcomeMemo, plain
-from .values import LAYOUT_OPS, ValueKeys
+from .values import LAYOUT_OPS, RESHAPES, ValueKeys
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -55,7 +55,7 @@ def is_parameter_rows(node) -> bool:
         if is_call(node, aten.slice.Tensor) and (node.args[1] if len(node.args) > 1 else 0) == 0:
             if (node.args[4] if len(node.args) > 4 else 1) != 1:
                 return False
-        elif is_call(node, aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        elif is_call(node, *RESHAPES):
             source = val(node.args[0])
             if source.shape[-1:] != val(node).shape[-1:] or not source.is_contiguous():
                 return False  # only leading dims merged into rows

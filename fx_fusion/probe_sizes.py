@@ -26,6 +26,8 @@ from typing import Iterable
 import torch
 import torch.fx
 
+from .values import RESHAPES
+
 aten = torch.ops.aten
 
 LARGE = 512  # sizes from here on are token counts (head, rotary and head-count sizes stay below)
@@ -101,9 +103,6 @@ def _same_elements(full_in: list, probe_in: list, full_out: list, probe_out: lis
     return torch.equal(as_full, as_probe)
 
 
-_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-
-
 def _reshape_sizes(node: torch.fx.Node, source: torch.Tensor, shape: list, sizes: ProbeSizes) -> list:
     """The reshape's target shape on the probe: its token sizes mapped, and not its features, which may
     equal a token size (T == hidden size). Tries the mappable positions, most mapped first, and takes the
@@ -134,7 +133,7 @@ def probe_call(node: torch.fx.Node, target, args: list, kwargs: dict, sizes: Pro
         dim = args[position] if len(args) > position else kwargs.get("dim", default)
         if source.shape[dim] != _shape(node.args[0].meta["val"])[dim]:  # a token dim: cut it alike
             args, kwargs = sizes(args), {k: sizes(v) for k, v in kwargs.items()}
-    elif node.target in _RESHAPES:
+    elif node.target in RESHAPES:
         args = [source, _reshape_sizes(node, source, list(args[1]), sizes)]
     elif node.target is aten.expand.default:  # only sizes that were already there may be mapped
         new = sizes(args[1])
@@ -149,7 +148,7 @@ def probe_call(node: torch.fx.Node, target, args: list, kwargs: dict, sizes: Pro
     if len(results) != len(expected):
         raise ProbeMismatch(f"{node.format_node()} at probe sizes")
     for got, full in zip(results, expected):
-        if not isinstance(full, torch.Tensor) or node.target in _RESHAPES:  # reshapes: checked element-wise
+        if not isinstance(full, torch.Tensor) or node.target in RESHAPES:  # reshapes: checked element-wise
             continue
         full = _shape(full)
         if got.dim() != len(full) or any(n not in (f, sizes(f)) for n, f in zip(got.shape, full)):

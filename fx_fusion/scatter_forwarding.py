@@ -24,9 +24,9 @@ import torch
 import torch.fx
 
 from .kv_patterns import erase_unused, is_call, static_shape, val
+from .values import RESHAPES
 
 aten = torch.ops.aten
-_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
 def _same_static_shape(a: torch.fx.Node, b: torch.fx.Node) -> bool:
@@ -99,7 +99,7 @@ def _forward_once(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     for node in list(graph.nodes):
         if not node.users:  # already bypassed (dead code until the caller removes it)
             continue
-        if is_call(node, *_RESHAPES) and isinstance(node.args[1], (list, tuple)):
+        if is_call(node, *RESHAPES) and isinstance(node.args[1], (list, tuple)):
             key = (node.target, node.args[0], tuple(node.args[1]))
             first = reshapes.setdefault(key, node)
             if first is not node:  # the same reshape of the same tensor, spelled again: one node
@@ -123,7 +123,7 @@ def _forward_once(graph: torch.fx.Graph) -> list[torch.fx.Node]:
                 cut = (base, dim, start, end)
                 continue
             break
-        if replacement is None and is_call(node, *_RESHAPES) and is_call(node.args[0], *_RESHAPES):
+        if replacement is None and is_call(node, *RESHAPES) and is_call(node.args[0], *RESHAPES):
             inner = node.args[0].args[0]
             if isinstance(val(inner), torch.Tensor) and _same_static_shape(inner, node):
                 replacement = inner

@@ -29,11 +29,11 @@ import torch
 import torch.fx
 
 from .kv_patterns import PROJECTION_OPS, is_call, static_shape, val
+from .values import RESHAPES
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 _UNARY = (
     prims.convert_element_type.default,
     aten._to_copy.default,
@@ -66,7 +66,7 @@ class _Stop(Exception):
 def _projection_rows(piece: torch.fx.Node) -> bool:
     """Whether `piece` is a projection's output reshaped (its rows split into leading dims)."""
     node = piece
-    while is_call(node, *_RESHAPES):
+    while is_call(node, *RESHAPES):
         node = node.args[0]
     return is_call(node, *PROJECTION_OPS)
 
@@ -141,7 +141,7 @@ class _Pusher:
                 raise _Stop("reduces over the tokens")
             axis -= 0 if keep else sum(1 for d in dims if d % rank < axis)
             made = [self.call(target, [p] + args[1:], node.kwargs) for p in self.pieces[source]]
-        elif target in _RESHAPES:  # the axis must stay one dim, with the same elements before it
+        elif target in RESHAPES:  # the axis must stay one dim, with the same elements before it
             before, after = _static(source), full
             if before is None or after is None:
                 raise _Stop("reshape of dynamic shape")

@@ -14,6 +14,8 @@ import torch.fx
 aten = torch.ops.aten
 
 # Ops that only re-lay out (or copy) a tensor: the same elements, in another shape or order.
+# The ops that only reshape (same elements, same order), as a graph spells them.
+RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 LAYOUT_OPS = frozenset(
     {
         aten.view.default,
