@@ -315,61 +315,84 @@ def fuse_kv_groups(graph: torch.fx.Graph, min_layers: int = 1, stack_weights_in_
         if not ordered:
             _explain_plain_projections(entry, fused_projections, record)
             continue
-        main_key = ordered[0][0]
-        # Projections that differ only in head count (a layer's Q and K in GQA) fuse as blocks of heads
-        merged = [k for k, _ in ordered if _heads_apart(k) == _heads_apart(main_key)]
-        attempts = [merged, [main_key]] if len(merged) > 1 else [[main_key]]
-        fused_keys, failures = [], []
-        for keys in attempts:
-            members = [b for k in keys for b in keyed[k]]
-            n_layers = sum(b.n_layers for b in members)
-            if n_layers < min_layers:
-                failures.append(f"only {n_layers} matching layer(s) share this input; min_layers={min_layers}")
+        # Largest key first; a key that cannot join an earlier group gets an attempt of its own.
+        handled, fused_main_key, merge_note, reasons = set(), None, {}, {}
+        for main_key, _ in ordered:
+            if main_key in handled:
                 continue
-            used = {b.projection.node for b in members}
-            first = members[0].projection
-            widths = {b.features for b in members}
-            extra = [
-                p
-                for p in entry["projections"]
-                if p.node not in used
-                and p.n_layers == 1
-                and first.n_layers == 1
-                and p.out_features in widths
-                and bool(p.biases) == bool(first.biases)
-                and val(p.node).dtype == val(first.node).dtype
-                and not p.weight_transposed
-            ]
-            try:
-                group, in_order = _rewrite_group(graph, fake_mode, members, extra, record, same_value, stack_weights_in_graph)
-            except Exception as error:  # never fail a compile: leave the group as it was, say why
-                failures.append(str(error) if isinstance(error, NoMatch) else f"could not be fused ({type(error).__name__}: {error})")
-                logger.debug("fx_fusion: group left alone", exc_info=True)
+            # Projections that differ only in head count (a layer's Q and K in GQA) fuse as blocks of heads
+            merged = [k for k, _ in ordered if k not in handled and _heads_apart(k) == _heads_apart(main_key)]
+            attempts = [merged, [main_key]] if len(merged) > 1 else [[main_key]]
+            fused_keys, failures = [], []
+            for keys in attempts:
+                # a projection already rewritten by a group is not fused again (its other branches stay)
+                members = [b for k in keys for b in keyed[k] if b.projection.node not in fused_projections]
+                if not members:
+                    failures.append("its projections were fused with another group")
+                    continue
+                failure = _fuse_members(graph, fake_mode, entry, members, fused_projections, min_layers, record, same_value, stack_weights_in_graph)
+                if failure is not None:
+                    failures.append(failure)
+                    continue
+                fused_keys = keys
+                break
+            handled |= {main_key, *fused_keys}
+            if fused_keys:
+                fused_main_key = fused_main_key or main_key
+                for key in merged:
+                    if key not in fused_keys:
+                        merge_note.setdefault(key, (main_key, failures[0]))
                 continue
-            record.fused_groups.append(group)
-            if not in_order:  # sorted at once: later groups rely on graph order (kv_patterns.depends_on)
-                stable_topological_sort(graph)
-            fused_projections |= used | {p.node for p in extra}
-            fused_keys = keys
-            break
-        for key, members in ordered:
-            if key in fused_keys:
-                continue
-            if key == main_key:
+            if main_key in merge_note and failures[-1] == "its projections were fused with another group":
+                group_key, merge_failure = merge_note[main_key]
+                reason = f"{_describe_difference(main_key, group_key)} and could not join it as blocks of heads: {merge_failure}"
+            elif fused_main_key is not None:
+                reason = f"{_describe_difference(main_key, fused_main_key)}; on its own: {failures[-1]}"
+            else:
                 reason = failures[-1]
                 if len(attempts) > 1:
                     reason += f"; with its siblings of other head counts as blocks of heads: {failures[0]}"
-            elif fused_keys and key in merged:
-                reason = f"{_describe_difference(key, main_key)} and could not join it as blocks of heads: {failures[0]}"
-            elif fused_keys:
-                reason = _describe_difference(key, main_key)
-            else:
-                reason = _describe_difference(key, main_key).replace("the fused group", "the largest candidate group")
-                reason += f" (which was not fused either: {failures[-1]})"
-            for branch in members:
-                record.rejected.append(Rejection(reason, node_location(branch.projection.node)))
+            reasons[main_key] = reason
+        for key, members in ordered:
+            for branch in members if key in reasons else []:
+                record.rejected.append(Rejection(reasons[key], node_location(branch.projection.node)))
         _explain_plain_projections(entry, fused_projections, record)
     return record
+
+
+def _fuse_members(
+    graph, fake_mode, entry: dict, members: list[KBranch], fused_projections: set, min_layers: int, record, same_value, stack_in_graph: bool
+) -> Optional[str]:
+    """Rewrite `members` as one group, with the input's plain projections of a K width as V-like views;
+    adds what it rewrote to `fused_projections`. Returns why not, or None when fused."""
+    n_layers = sum(b.n_layers for b in members)
+    if n_layers < min_layers:
+        return f"only {n_layers} matching layer(s) share this input; min_layers={min_layers}"
+    used = {b.projection.node for b in members}
+    with_branches = {b.projection.node for b in entry["branches"]}  # those may form groups of their own
+    first = members[0].projection
+    widths = {b.features for b in members}
+    extra = [
+        p
+        for p in entry["projections"]
+        if p.node not in used | fused_projections | with_branches
+        and p.n_layers == 1
+        and first.n_layers == 1
+        and p.out_features in widths
+        and bool(p.biases) == bool(first.biases)
+        and val(p.node).dtype == val(first.node).dtype
+        and not p.weight_transposed
+    ]
+    try:
+        group, in_order = _rewrite_group(graph, fake_mode, members, extra, record, same_value, stack_in_graph)
+    except Exception as error:  # never fail a compile: leave the group as it was, say why
+        logger.debug("fx_fusion: group left alone", exc_info=True)
+        return str(error) if isinstance(error, NoMatch) else f"could not be fused ({type(error).__name__}: {error})"
+    record.fused_groups.append(group)
+    if not in_order:  # sorted at once: later groups rely on graph order (kv_patterns.depends_on)
+        stable_topological_sort(graph)
+    fused_projections |= used | {p.node for p in extra}
+    return None
 
 
 def _explain_plain_projections(entry: dict, fused: set, record: PassRecord) -> None:
@@ -756,11 +779,15 @@ def _strided_piece(builder: _GraphBuilder, k_all: torch.fx.Node, block: int, cou
     """One layer's K [tokens, H, D] laid out as its strided source piece (kv_patterns.BranchSource): the
     tokens split as the piece's token axes, then its axes put in the piece's order, size-1 axes added."""
     shape = list(val(source.node).shape)
-    if count != 1 or any(not isinstance(n, int) for n in shape):
-        raise NoMatch("a strided K piece is fused only as one block of static size")
+    if any(not isinstance(n, int) for n in shape):
+        raise NoMatch("a strided K piece is fused only at a static size")
     token_axes = sorted((a for a, (role, _) in enumerate(source.roles) if role == "token"), key=lambda a: source.roles[a][1])
     head_axes = [a for a, (role, _) in enumerate(source.roles) if role == "head"]
-    piece = builder.call(aten.select.int, k_all, 0, block)
+    if count == 1:  # [tokens, H, D]
+        piece = builder.call(aten.select.int, k_all, 0, block)
+    else:  # its heads in `count` blocks: [tokens, count, unit, D]
+        piece = builder.call(aten.slice.Tensor, k_all, 0, block, block + count)
+        piece = builder.call(aten.permute.default, piece, [1, 0, 2, 3])
     piece = builder.call(aten.reshape.default, piece, [shape[a] for a in token_axes] + [source.n_heads, shape[-1]])
     present = token_axes + head_axes  # the axes `piece` has now (a head axis only when the piece has one)
     if not head_axes:

@@ -238,7 +238,12 @@ def base_of(node: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
-def follow_layout(node: torch.fx.Node, ops=LAYOUT_OPS) -> tuple[list[torch.fx.Node], torch.fx.Node]:
+# A K branch's layout ops may also broadcast heads (Falcon's K heads expanded to every query head before
+# RoPE): the norm and the rotation work per head, so they commute with that copy, and the rewrite replays it.
+K_LAYOUT_OPS = LAYOUT_OPS | {aten.expand.default}
+
+
+def follow_layout(node: torch.fx.Node, ops=K_LAYOUT_OPS) -> tuple[list[torch.fx.Node], torch.fx.Node]:
     """Walk forward through single-user layout ops (`ops`); return them and the last node reached."""
     chain = []
     while len(node.users) == 1:
@@ -488,13 +493,36 @@ def _slice_args(node) -> tuple:
 
 def _last_dim_slice(node, source, rank, width, axis: int = -1) -> Optional[tuple[int, int, int]]:
     """(start, end, step) when node = source[..., start:end:step] along `axis` (the last dim unless
-    given), else None (end clamped to width)."""
+    given), else None; negative bounds count from the end, and both are clamped to [0, width] as Python
+    slicing does (`qkv[..., -2 * kv : -kv]` is columns [width - 2 * kv, width - kv))."""
     if not is_call(node, aten.slice.Tensor) or node.args[0] is not source:
         return None
     dim, start, end, step = _slice_args(node)
     if not all(isinstance(v, int) for v in (dim, start, end, step)) or dim % rank != axis % rank:
         return None
-    return start, min(end, width), step
+    start, end = (min(max(b + width if b < 0 else b, 0), width) for b in (start, end))
+    return start, end, step
+
+
+def constant_index_cut(node) -> Optional[tuple[int, int]]:
+    """(axis, i) when node = source[..., [i], ...]: `aten.index` by one constant one-element integer index
+    (`torch.full([1], i)`, as `qkv[..., [-2], :]` traces) on one axis, i counted from the start. It holds
+    the same elements as the one-wide slice `source[..., i : i + 1, ...]` (as a copy)."""
+    if not is_call(node, aten.index.Tensor) or len(node.args) < 2:
+        return None
+    indices = list(node.args[1])
+    present = [axis for axis, index in enumerate(indices) if index is not None]
+    if len(present) != 1:
+        return None
+    axis = present[0]
+    index = indices[axis]
+    if not (is_call(index, aten.full.default) and list(index.args[0]) == [1] and type(index.args[1]) is int):
+        return None
+    if val(index).dtype not in (torch.int64, torch.int32):
+        return None
+    size = static_shape(node.args[0])[axis]
+    position = index.args[1] + size if index.args[1] < 0 else index.args[1]
+    return (axis, position) if 0 <= position < size else None
 
 
 @dataclasses.dataclass
@@ -509,9 +537,17 @@ class HeadLayout:
 
 
 def replay(nodes: list[torch.fx.Node], start: torch.Tensor, sizes: ProbeSizes = FULL_SIZE) -> torch.Tensor:
-    """Apply the layout ops `nodes` (a forward chain) to a real tensor (token sizes mapped by `sizes`)."""
+    """Apply the layout ops `nodes` (a forward chain) to a real tensor (token sizes mapped by `sizes`); a
+    constant index cut (`constant_index_cut`) is applied as the one-wide slice it equals."""
     value = start
     for node in nodes:
+        cut = constant_index_cut(node)
+        if cut is not None:
+            axis, position = cut
+            if value.shape[axis] != static_shape(node.args[0])[axis]:
+                raise ProbeMismatch(f"{node.format_node()} cuts a token axis")
+            value = value.narrow(axis, position, 1)
+            continue
         value = probe_call(node, node.target, [value, *hinted(list(node.args[1:]))], hinted(dict(node.kwargs)), sizes)
     return value
 
@@ -522,11 +558,20 @@ def _axis_step(t: torch.Tensor, axis: int) -> int:
     return int(t.narrow(axis, 1, 1).flatten()[0] - t.narrow(axis, 0, 1).flatten()[0])
 
 
+def _varies_along(values: torch.Tensor, axis: int) -> bool:
+    return not bool((values == values.narrow(axis, 0, 1)).all())
+
+
 def _enumerating_axis(values: torch.Tensor, count: int, exclude: tuple = ()) -> Optional[int]:
-    """The one axis (not the last) along which `values` runs 0..count-1; None if count == 1 and none does."""
-    axes = [a for a in range(values.dim() - 1) if a not in exclude and _axis_step(values, a) != 0]
-    if len(axes) == 1 and values.shape[axes[0]] == count and _axis_step(values, axes[0]) == 1:
-        return axes[0]
+    """The one axis (not the last) along which `values` runs 0..count-1, each value possibly repeated r
+    times in a row (heads broadcast to query heads: `k.expand(..., kv, r, d).reshape(..., kv * r, d)`);
+    None if count == 1 and none does."""
+    axes = [a for a in range(values.dim() - 1) if a not in exclude and _varies_along(values, a)]
+    if len(axes) == 1:
+        along = values.movedim(axes[0], 0).reshape(values.shape[axes[0]], -1)[:, 0]
+        repeats = len(along) // count
+        if repeats * count == len(along) and torch.equal(along, torch.arange(count).repeat_interleave(repeats)):
+            return axes[0]
     if count == 1 and not axes:
         return None
     raise NoMatch("K heads/layers are not laid out along one axis each")
@@ -555,11 +600,11 @@ def head_layout(index: torch.Tensor, source: "BranchSource", row_width: int, lay
         raise NoMatch(f"last dim is not one head's {head_dim} consecutive features")
     layer_axis = _enumerating_axis(layers, n_layers)
     head_axis = _enumerating_axis(heads, num_heads, exclude=(layer_axis,))
-    if head_axis is None:  # a single head: any size-1 axis that carries no tokens or layers serves
-        spare = [a for a in range(index.dim() - 1) if index.shape[a] == 1 and a != layer_axis]
+    if head_axis is None:  # a single head: a size-1 axis, or one it is broadcast along, carrying no tokens or layers
+        spare = [a for a in range(index.dim() - 1) if a != layer_axis and not _varies_along(index, a)]
         if not spare:
             raise NoMatch("single-head K branch has no head axis")
-        head_axis = spare[-1]
+        head_axis = max(spare, key=lambda a: (index.shape[a] > 1, a))  # the broadcast axis, if any
     token_axes = [a for a in range(index.dim() - 1) if a not in (head_axis, layer_axis)]
     token_axes.sort(key=lambda a: -_axis_step(tokens, a))
     expected = torch.zeros_like(tokens)
@@ -691,12 +736,14 @@ _HEAD_LAYOUTS = OutcomeMemo((NoMatch,))
 def _replayed(node: torch.fx.Node) -> tuple:
     """Everything `replay` (and its probe sizing) reads of one layout node."""
     first = node.args[0]
+    shapes = lambda n: tuple(static_shape(n)) if isinstance(val(n), torch.Tensor) else None  # noqa: E731
+    cut = constant_index_cut(node)
     return (
         node.target,
-        plain(hinted(list(node.args[1:]))),
+        plain(cut) if cut is not None else plain(hinted(list(node.args[1:]))),
         plain(hinted(dict(node.kwargs))),
-        tuple(static_shape(first)) if isinstance(first, torch.fx.Node) else None,
-        tuple(static_shape(node)),
+        shapes(first) if isinstance(first, torch.fx.Node) else None,
+        shapes(node),
     )
 
 
@@ -855,28 +902,49 @@ def branch_sources(projection: Projection) -> list[BranchSource]:
     if heads:
         head_view, cuts = heads
         return [BranchSource(piece, start, prefix, head_view=head_view) for piece, start in cuts]
-    return _permuted_cuts(projection, node, prefix) or [whole(projection)]
+    return _strided_cuts(projection, node, prefix) or [whole(projection)]
 
 
 _CHAIN_OPS = (aten.view.default, aten.reshape.default, aten.permute.default, aten.transpose.int, aten.unsqueeze.default)
 
 
-def _permuted_cuts(projection: Projection, node: torch.fx.Node, prefix: list) -> Optional[list[BranchSource]]:
-    """Strided sources (BranchSource docstring): `node` viewed and permuted, then cut along one axis
+def _strided_cuts(projection: Projection, node: torch.fx.Node, prefix: list) -> Optional[list[BranchSource]]:
+    """Strided sources (BranchSource docstring): `node` viewed (and permuted), then cut along one axis
     (litgpt: `qkv.view(B, T, G, q + 2, hs).permute(0, 2, 3, 1, 4).split((q, 1, 1), dim=2)`; GPT-NeoX:
-    `qkv.view(B, T, H, 3 * hs).transpose(1, 2).chunk(3, dim=-1)`); a piece whose elements are not whole
-    heads at evenly spaced columns is no source."""
+    `qkv.view(B, T, H, 3 * hs).transpose(1, 2).chunk(3, dim=-1)`; Falcon: `qkv.view(B, T, H, 3, hs)[..., 1, :]`;
+    `qkv.view(B, T, 3, H, hs).unbind(2)`); a piece whose elements are not whole heads at evenly spaced
+    columns is no source."""
     chain, current = follow_layout(node, _CHAIN_OPS)
-    if not any(is_call(n, aten.permute.default, aten.transpose.int) for n in chain):
-        return None
     shape = static_shape(current)
     for axis in range(len(shape)):
-        cuts = [_column_ranges(user, current, len(shape), shape[axis], axis=axis) for user in current.users]
+        cuts = [_axis_cuts(user, current, len(shape), shape[axis], axis) for user in current.users]
         if not cuts or None in cuts:
             continue
         pieces = [(piece, [user] if user is piece else [user, piece]) for user, ranges in zip(current.users, cuts) for piece, _, _ in ranges]
         sources = [_strided_source(projection, piece, prefix, chain + cut) for piece, cut in pieces]
         return [source for source in sources if source is not None] or None
+    return None
+
+
+def _axis_cuts(user: torch.fx.Node, node: torch.fx.Node, rank: int, width: int, axis: int) -> Optional[list]:
+    """`_column_ranges`, or [(piece, i, i + 1)] for pieces that take index i of `axis` and drop it: a
+    select (`qkv[..., 1, :]`) or the items of an unbind (`q, k, v = qkv.unbind(2)`)."""
+    ranges = _column_ranges(user, node, rank, width, axis)
+    if ranges is not None:
+        return ranges
+    if is_call(user, aten.select.int) and user.args[0] is node:
+        dim, index = user.args[1], user.args[2]
+        if isinstance(dim, int) and isinstance(index, int) and dim % rank == axis % rank and -width <= index < width:
+            return [(user, index % width, index % width + 1)]
+        return None
+    if is_call(user, aten.unbind.int) and user.args[0] is node:
+        dim = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0)
+        if not isinstance(dim, int) or dim % rank != axis % rank:
+            return None
+        items = list(user.users)
+        if not all(item.target is operator.getitem and isinstance(item.args[1], int) for item in items):
+            return None
+        return [(item, item.args[1], item.args[1] + 1) for item in items]
     return None
 
 
@@ -964,11 +1032,14 @@ def _head_cuts(node: torch.fx.Node, width: int) -> Optional[tuple[torch.fx.Node,
 
 def _column_ranges(user: torch.fx.Node, node: torch.fx.Node, rank: int, width: int, axis: int = -1) -> Optional[list]:
     """[(piece, start, end)] when `user` cuts `node`'s last dim (or `axis`, `width` long) into contiguous
-    ranges: a slice (`qkv[..., q:]`), or the pieces of a split (`qkv.split([q, kv, kv], -1)`,
-    `kv.chunk(2, -1)`)."""
+    ranges: a slice (`qkv[..., q:]`), the pieces of a split (`qkv.split([q, kv, kv], -1)`,
+    `kv.chunk(2, -1)`), or a constant one-element index (`qkv[..., [-2], :]`, `constant_index_cut`)."""
     bounds = _last_dim_slice(user, node, rank, width, axis)
     if bounds is not None:
         return [(user, bounds[0], bounds[1])] if bounds[2] == 1 else None
+    cut = constant_index_cut(user)
+    if cut is not None and user.args[0] is node:
+        return [(user, cut[1], cut[1] + 1)] if cut[0] == axis % rank else None
     if not is_call(user, aten.split.Tensor, aten.split_with_sizes.default) or user.args[0] is not node:
         return None
     dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)

@@ -325,8 +325,9 @@ class VllmRotaryEmbedding(nn.Module):
 
 
 class VllmQwen3Attention(nn.Module):
-    def __init__(self, rotary_emb, num_heads=4, qkv_bias=False, qk_norm=True):
+    def __init__(self, rotary_emb, num_heads=4, qkv_bias=False, qk_norm=True, negative_slices=False):
         super().__init__()
+        self.negative_slices = negative_slices
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, KV_HEADS, HEAD_DIM
         self.q_size, self.kv_size = num_heads * HEAD_DIM, KV_HEADS * HEAD_DIM
         self.qkv_proj = nn.Linear(HIDDEN, self.q_size + 2 * self.kv_size, bias=qkv_bias)
@@ -338,7 +339,11 @@ class VllmQwen3Attention(nn.Module):
 
     def forward(self, positions, hidden_states):  # Qwen3Attention.forward up to self.attn(q, k, v)
         qkv = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.negative_slices:  # the same columns, counted from the end
+            kv = self.kv_size
+            q, k, v = qkv[..., : -2 * kv], qkv[..., -2 * kv : -kv], qkv[..., -kv:]
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:  # qwen2 has none
             q_by_head = q.view(*q.shape[:-1], q.shape[-1] // self.head_dim, self.head_dim)
             q_by_head = self.q_norm(q_by_head)
@@ -351,11 +356,12 @@ class VllmQwen3Attention(nn.Module):
 
 
 class VllmContext(nn.Module):
-    def __init__(self, rotary_dim=HEAD_DIM, is_neox_style=True, qkv_bias=False, qk_norm=True):
+    def __init__(self, rotary_dim=HEAD_DIM, is_neox_style=True, qkv_bias=False, qk_norm=True, negative_slices=False):
         super().__init__()
         rotary_emb = VllmRotaryEmbedding(HEAD_DIM, rotary_dim, is_neox_style)  # get_rope is lru-cached: shared
         self.layers = nn.ModuleList(
-            VllmQwen3Attention(rotary_emb, qkv_bias=qkv_bias, qk_norm=qk_norm) for _ in range(N_LAYERS)
+            VllmQwen3Attention(rotary_emb, qkv_bias=qkv_bias, qk_norm=qk_norm, negative_slices=negative_slices)
+            for _ in range(N_LAYERS)
         )
         _randomize_norm_weights(self)
 
@@ -970,6 +976,108 @@ def build_litgpt(dtype, n_head=KV_HEADS):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# 16. Falcon's fused query_key_value, cut three ways (FalconAttention._split_heads), no K norm, HF rotate_half
+# RoPE after `k.transpose(1, 2).reshape(B, heads, T, D)`:
+#   multi_query (Falcon-7B):   qkv.view(B, T, H + 2, D); k = qkv[..., [-2], :], v = qkv[..., [-1], :] (index lists)
+#   per head (multi_query=False): qkv.view(B, T, H, 3, D); k = qkv[..., 1, :] (a select)
+#   new_decoder_architecture (Falcon-40B/180B): qkv.view(B, T, KV, H / KV + 2, D); k = qkv[:, :, :, [-2]]
+#       broadcast to every query head (torch.broadcast_to, then flatten(2, 3)) before RoPE.
+# huggingface/transformers src/transformers/models/falcon/modeling_falcon.py
+
+
+class FalconContext(nn.Module):
+    def __init__(self, layout: str, num_heads: int = 2 * KV_HEADS):
+        super().__init__()
+        self.layout, self.num_heads = layout, num_heads
+        columns = {"multi_query": num_heads + 2, "per_head": 3 * num_heads, "new_decoder": num_heads + 2 * KV_HEADS}
+        self.query_key_value = nn.ModuleList(
+            nn.Linear(HIDDEN, columns[layout] * HEAD_DIM, bias=False) for _ in range(N_LAYERS)
+        )
+
+    def _split_k_v(self, qkv, B, T):
+        if self.layout == "multi_query":
+            qkv = qkv.view(B, T, self.num_heads + 2, HEAD_DIM)
+            return qkv[..., [-2], :], qkv[..., [-1], :]
+        if self.layout == "per_head":
+            qkv = qkv.view(B, T, self.num_heads, 3, HEAD_DIM)
+            return qkv[..., 1, :], qkv[..., 2, :]
+        qkv = qkv.view(B, T, -1, self.num_heads // KV_HEADS + 2, HEAD_DIM)
+        query = qkv[:, :, :, :-2]
+        key = torch.broadcast_to(qkv[:, :, :, [-2]], query.shape).flatten(2, 3)
+        return key, qkv[:, :, :, [-1]].flatten(2, 3)
+
+    def forward(self, x, cos, sin):  # cos/sin [B, T, D]
+        B, T, _ = x.shape
+        outs = []
+        for query_key_value in self.query_key_value:
+            k, v = self._split_k_v(query_key_value(x), B, T)
+            k = k.transpose(1, 2).reshape(B, -1, T, HEAD_DIM)
+            k = k * cos.unsqueeze(1) + modeling_qwen3.rotate_half(k) * sin.unsqueeze(1)
+            outs += [k, v]
+        return tuple(outs)
+
+
+def build_falcon(dtype, layout):
+    torch.manual_seed(0)
+    cos, sin = _hf_cos_sin(_positions()[None].expand(BATCH, -1))
+    return _finish(FalconContext(layout), dtype, _hidden(), cos, sin)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 17. q, k, v = qkv.unbind(...): timm's EVA attention (`qkv.reshape(B, N, 3, H, D).permute(2, 0, 3, 1, 4)`,
+# `unbind(0)`, a per-head k_norm, then `apply_rot_embed_cat`: sin and cos as the halves of one table cut by
+# `tensor_split(2, -1)`, pairs rotated by `stack([-x[..., 1::2], x[..., ::2]], -1).reshape(x.shape)`); and
+# flash-attention's packed qkv (`... (three h d) -> ... three h d`, `qkv.unbind(dim=2)`) with its torch
+# rotary reference (cos/sin of half width, repeated to full width, rotate_half).
+# huggingface/pytorch-image-models timm/models/eva.py, timm/layers/pos_embed_sincos.py;
+# Dao-AILab/flash-attention flash_attn/modules/mha.py, flash_attn/layers/rotary.py
+
+
+def _timm_rot(x):
+    return torch.stack([-x[..., 1::2], x[..., ::2]], -1).reshape(x.shape)
+
+
+class UnbindContext(nn.Module):
+    def __init__(self, style: str):
+        super().__init__()
+        self.style = style
+        self.qkv = nn.ModuleList(nn.Linear(HIDDEN, 3 * KV_HEADS * HEAD_DIM, bias=True) for _ in range(N_LAYERS))
+        self.k_norm = nn.ModuleList(nn.RMSNorm(HEAD_DIM, eps=EPS) for _ in range(N_LAYERS))
+        _randomize_norm_weights(self)
+
+    def forward(self, x, table):
+        B, T, _ = x.shape
+        outs = []
+        for qkv_proj, k_norm in zip(self.qkv, self.k_norm):
+            qkv = qkv_proj(x)
+            if self.style == "timm_eva":  # table: cat([sin, cos], -1) [T, D], interleaved pairs
+                _, k, v = qkv.reshape(B, T, 3, KV_HEADS, HEAD_DIM).permute(2, 0, 3, 1, 4).unbind(0)
+                sin_emb, cos_emb = table.tensor_split(2, -1)
+                k = k_norm(k)
+                k = k * cos_emb + _timm_rot(k) * sin_emb
+            else:  # flash-attention: table: cat([cos, sin], -1) of half width [T, D], neox halves
+                _, k, v = qkv.view(B, T, 3, KV_HEADS, HEAD_DIM).unbind(dim=2)
+                cos, sin = table.chunk(2, dim=-1)
+                cos, sin = (torch.cat([t, t], dim=-1)[:, None, :] for t in (cos, sin))
+                k = k_norm(k)
+                k = k * cos + modeling_qwen3.rotate_half(k) * sin
+            outs += [k, v]
+        return tuple(outs)
+
+
+def build_unbind(dtype, style):
+    torch.manual_seed(0)
+    if style == "timm_eva":
+        freqs = _positions().float()[:, None] * _inv_freq(HEAD_DIM)[None]
+        freqs = freqs.repeat_interleave(2, dim=-1)  # one angle per (2j, 2j + 1) pair
+        table = torch.cat([freqs.sin(), freqs.cos()], dim=-1)
+    else:
+        freqs = _positions().float()[:, None] * _inv_freq(HEAD_DIM)[None]
+        table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    return _finish(UnbindContext(style), dtype, _hidden(), table)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # 15. The z-lab DFlash reference draft: context K/V (from target_hidden) and noise-block K/V (from the
 # draft's hidden states) concatenated along tokens BEFORE k_norm and RoPE:
 #   k = torch.cat([k_proj(target_hidden), k_proj(hidden_states)], dim=1).view(bsz, ctx_len + q_len, -1, D)
@@ -1095,6 +1203,7 @@ _MEGATRON = (
     "megatron/core/models/common/embeddings/rope_utils.py"
 )
 _GEMMA3N = "huggingface/transformers src/transformers/models/gemma3n/modeling_gemma3n.py"
+_FALCON = "huggingface/transformers src/transformers/models/falcon/modeling_falcon.py"
 
 CASES: list[Case] = [
     Case("hf_qwen3", _HF, _p(build_hf_qwen3)),
@@ -1156,6 +1265,24 @@ CASES: list[Case] = [
     # one layer rotating with other cos/sin values: the fused op reads one table per layer
     Case("own_cos_sin_transposed", f"{_HF} (last layer: cos/sin.transpose(0, 1), B == T)", _p(build_deviating, variant="cos_sin_transposed")),
     Case("own_rope_theta", f"{_HF} (last layer: rope_theta=100)", _p(build_deviating, variant="other_rope_theta")),
+    Case(
+        "vllm_qwen3_negative_slices",
+        _VLLM + " (q, k, v cut as qkv[..., -2 * kv : -kv] and the like)",
+        _p(build_vllm, negative_slices=True),
+    ),
+    Case("falcon_multi_query_index_cut", _FALCON + " (multi_query: k = qkv[..., [-2], :])", _p(build_falcon, layout="multi_query")),
+    Case("falcon_per_head_select", _FALCON + " (multi_query=False: k = qkv[..., 1, :])", _p(build_falcon, layout="per_head")),
+    Case(
+        "falcon_new_decoder_broadcast_k",
+        _FALCON + " (new_decoder_architecture: K heads broadcast to the query heads before RoPE)",
+        _p(build_falcon, layout="new_decoder"),
+    ),
+    Case("timm_eva_unbind", "huggingface/pytorch-image-models timm/models/eva.py (qkv ... permute(2, 0, 3, 1, 4).unbind(0))", _p(build_unbind, style="timm_eva")),
+    Case(
+        "flash_attn_unbind",
+        "Dao-AILab/flash-attention flash_attn/modules/mha.py (qkv.unbind(dim=2)), flash_attn/layers/rotary.py",
+        _p(build_unbind, style="flash_attn"),
+    ),
     Case("zlab_dflash_ctx_noise_cat", "z-lab/dflash dflash/model.py (Qwen3DFlashAttention.forward)", _p(build_zlab_dflash)),
     Case(
         "zlab_dflash_per_layer_noise",

@@ -23,6 +23,7 @@ from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
 import fx_fusion
 from fx_fusion import drafts, kv_patterns
+from fx_fusion.kernels import grouped_gemv
 from fx_fusion.memo import OutcomeMemo
 from fx_fusion.diagnostics import RecordSink
 
@@ -233,7 +234,6 @@ class VariantContext(nn.Module):
     [
         ("whole_projection_norm", "RMSNorm over the whole projection (64 features), not per head (32)"),
         ("layer_norm", "subtracts the mean (LayerNorm), not an RMSNorm"),
-        ("head_dim", "differs from the fused group in head_dim"),
         ("eps_outside", "eps sits elsewhere"),
     ],
 )
@@ -253,7 +253,84 @@ def test_deviating_layer_left_alone_with_reason(variant, reason):
     # the deviating layer keeps its own K branch (its rotary's neg); its projections join the stacked GEMM
     # when they have the group's width, as any linear on the same input does
     assert counting.after[aten.neg.default] == 1 and counting.after[FUSED_OP] == 1
-    assert sum(counting.after[op] for op in PROJECTION_OPS) == (2 if variant == "head_dim" else 0)
+    assert sum(counting.after[op] for op in PROJECTION_OPS) == 0
+
+
+def test_head_axis_may_repeat_each_head_in_a_row():
+    """Heads broadcast to query heads (`k.expand(B, T, kv, r, D).reshape(B, T, kv * r, D)`) repeat each head
+    r times in a row: still one head axis. Heads tiled in another order, or more head values than heads,
+    are not."""
+    def laid_out(heads: torch.Tensor) -> torch.Tensor:  # [tokens, heads, head_dim], heads on axis 1
+        return heads.view(1, -1, 1).expand(2, -1, 4)
+
+    assert kv_patterns._enumerating_axis(laid_out(torch.arange(3).repeat_interleave(2)), 3) == 1
+    assert kv_patterns._enumerating_axis(laid_out(torch.arange(3)), 3) == 1
+    assert kv_patterns._enumerating_axis(laid_out(torch.zeros(4, dtype=torch.int64)), 1) is None
+    for heads, count in [(torch.arange(3).repeat(2), 3), (torch.arange(3).repeat_interleave(2), 2)]:
+        with pytest.raises(kv_patterns.NoMatch, match="not laid out along one axis"):
+            kv_patterns._enumerating_axis(laid_out(heads), count)
+
+
+class SharedInputQK(nn.Module):
+    """Every layer's Q (4 heads) and K (2 heads) projected from the same hidden states, each normalised
+    (Qwen3 q_norm / k_norm) and rotated."""
+
+    def __init__(self, n_layers=3):
+        super().__init__()
+        config = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, i).self_attn for i in range(n_layers))
+        self.rotary = Qwen3RotaryEmbedding(config)
+        for name, param in self.named_parameters():
+            if "norm" in name:
+                nn.init.uniform_(param, 0.5, 1.5)
+
+    def forward(self, x, position_ids):
+        B, T, _ = x.shape
+        cos, sin = self.rotary(x, position_ids)
+        outs = []
+        for attn in self.layers:
+            q = attn.q_norm(attn.q_proj(x).view(B, T, -1, 16)).transpose(1, 2)
+            k = attn.k_norm(attn.k_proj(x).view(B, T, -1, 16)).transpose(1, 2)
+            outs += list(apply_rotary_pos_emb(q, k, cos, sin)) + [attn.v_proj(x)]
+        return tuple(outs)
+
+
+def test_all_layers_q_and_k_of_one_input_fuse_as_blocks_of_heads():
+    """All layers' Q and K read one input: one group, the projections side by side in one grouped GEMM
+    (Q_0, K_0, Q_1, ...) so that their heads are evenly spaced blocks of gcd(4, 2) = 2 heads."""
+    torch.manual_seed(0)
+    module = SharedInputQK()
+    x, positions = torch.randn(2, 5, 64), torch.arange(5)[None] + 1
+    counting = check_compiled_matches_eager(module, x, positions)
+    (record,) = counting.records
+    (group,) = record.fused_groups
+    assert (group.n_layers, group.num_kv_heads, group.layer_heads) == (6, 2, [4, 2] * 3), record
+    assert not record.rejected, record.rejected
+    assert counting.after[FUSED_OP] == 1 and counting.after[GROUPED_GEMM] == 1
+    assert sum(counting.after[op] for op in PROJECTION_OPS) == 0 and counting.after[aten.rsqrt.default] == 0
+
+
+def test_layer_with_other_head_dim_fuses_in_a_group_of_its_own():
+    """A layer with the math but another head_dim cannot join the others' group: it forms its own (K and
+    V of that layer in a grouped GEMM of their own), so every layer is fused; with min_layers=2 it is left
+    alone, and the reason names the difference."""
+    torch.manual_seed(0)
+    module = VariantContext("head_dim")
+    x, positions = torch.randn(1, 6, 64), torch.arange(6)[None] + 2
+    counting = check_compiled_matches_eager(module, x, positions)
+    (record,) = counting.records
+    assert [(g.n_layers, g.head_dim) for g in record.fused_groups] == [(2, 32), (1, 16)], record
+    assert not [r for r in record.rejected], record.rejected
+    assert counting.after[FUSED_OP] == 2 and counting.after[GROUPED_GEMM] == 2
+    assert sum(counting.after[op] for op in PROJECTION_OPS) == 0 and counting.after[aten.neg.default] == 0
+    with torch.no_grad():
+        compiled, counting = compile_counting(module, min_layers=2)
+        torch.testing.assert_close(compiled(x, positions), module(x, positions))
+    (record,) = counting.records
+    assert [g.n_layers for g in record.fused_groups] == [2]
+    (reason,) = [r for r in record.rejected if not r.reason.startswith("left as a plain linear")]
+    assert "k.2" in reason.location and reason.reason.startswith("differs from the fused group in head_dim"), reason
+    assert "on its own: only 1 matching layer(s) share this input; min_layers=2" in reason.reason, reason
 
 
 def test_layer_with_its_own_cos_sin_fuses_with_per_layer_tables():
@@ -582,14 +659,18 @@ def test_fx_graph_cache_serves_the_rewritten_graph(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seq_len", [5, 200])
 @pytest.mark.parametrize("options", [{}, {"cpp_wrapper": True}, {"max_autotune": True}], ids=["python", "cpp", "autotune"])
-def test_inductor_generates_the_fused_code(device, options):
-    """The fused op reaches Inductor as code, not as an op call: on CUDA a launch of our Triton kernel from
-    Inductor's generated code, elsewhere the op's math compiled with the graph."""
+def test_inductor_generates_the_fused_code(device, seq_len, options):
+    """The fused op reaches Inductor as code, not as an op call: on CUDA a launch of our Triton kernels from
+    Inductor's generated code (few tokens: the grouped GEMM with the K epilogue; more: cuBLAS GEMMs and the
+    materialization kernel), elsewhere the op's math compiled with the graph."""
     if options.get("max_autotune") and device != "cuda":
         pytest.skip("max-autotune benchmarks GPU kernels")
+    if seq_len > grouped_gemv.MAX_TOKENS and device != "cuda":
+        pytest.skip("the many-token path differs from the few-token one on CUDA only")
     module = drafts.qwen3_context_kv(3, dtype=torch.bfloat16, device=device)
-    inputs = drafts.example_inputs(module, seq_len=5)
+    inputs = drafts.example_inputs(module, seq_len=seq_len)
     records = []
     with torch.no_grad(), RecordSink.collect(records):
         compiled = torch.compile(module, backend="fx_fusion", options=options)
@@ -598,10 +679,14 @@ def test_inductor_generates_the_fused_code(device, options):
     code = "\n".join(codes)
     (group,) = only_fused_groups(records)
     assert not records[0].ops_kept and "fx_fusion.materialize_k" not in code
-    if device == "cuda":  # few tokens: the grouped GEMV kernel, which normalises and rotates K itself
+    if device == "cuda" and seq_len <= grouped_gemv.MAX_EPILOGUE_TOKENS:  # the grouped kernel normalises and rotates K
         assert records[0].ops_inlined == 2 and "fx_fusion.grouped_linear" not in code
         assert records[0].gemm_epilogues == 1, records[0].gemm_epilogue_notes
         assert "_fused_kv_materialize_kernel" not in code and "_grouped_gemv_kernel" in code
+    elif device == "cuda":  # one GEMM per weight into column slices, then the materialization kernel
+        assert records[0].ops_inlined == 2 and "fx_fusion.grouped_linear" not in code
+        assert records[0].gemm_epilogues == 0 and "_grouped_gemv_kernel" not in code
+        assert "_fused_kv_materialize_kernel" in code
     else:  # the linears as ATen ops, compiled with the graph
         assert records[0].ops_inlined == 2 and "fx_fusion.grouped_linear" not in code
 

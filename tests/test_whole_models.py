@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch._inductor.utils
 
 transformers = pytest.importorskip("transformers")
 
@@ -316,15 +317,40 @@ def test_generate_with_compiled_forward_matches_eager(name, cache):
         check_attention_projections(name, model, [record])
 
 
-def test_gpt_neox_per_head_qkv_fuses_each_layers_k():
-    """GPT-NeoX (Pythia) lays its fused qkv out per head, `qkv.view(B, T, H, 3 * D).transpose(1, 2)` cut
-    with `chunk(3, dim=-1)`, and rotates a quarter of each head: each layer's K is fused (K heads 3 * D
-    columns apart, 4 rotary dims), its Q stays apart (Q and K heads interleave, so they are not evenly
-    spaced blocks: the reason says so), and the logits equal eager."""
-    config = transformers.GPTNeoXConfig(**{**COMMON, "num_attention_heads": 4, "num_key_value_heads": None})
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("seq_len", [5, 200])
+def test_whole_model_fused_work_is_inductor_code_on_cuda(seq_len):
+    """A whole Llama (GQA) model on CUDA: each layer's Q+K group reaches Inductor as kernel launches in its
+    generated code, at few tokens (the grouped GEMM with the K epilogue) and at many (cuBLAS GEMMs and the
+    materialization kernel): no fused op is left as an op call dispatched from Python."""
+    # head_dim 64: Q's 256 and K's 128 rows are blocks of 128 rows, wide enough for the grouped kernel
+    config = transformers.LlamaConfig(**{**COMMON, "hidden_size": 256, "head_dim": 64, "intermediate_size": 512})
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = transformers.GPTNeoXForCausalLM(config).eval()
+    model = transformers.LlamaForCausalLM(config).eval().to("cuda", torch.bfloat16)
+    ids = torch.randint(3, VOCAB, (1, seq_len), device="cuda")
+    with torch.no_grad():
+        expected = model(ids).logits.float()
+        records: list = []
+        with RecordSink.collect(records):
+            compiled = torch.compile(model, backend="fx_fusion")
+            actual, codes = torch._inductor.utils.run_and_get_code(compiled, ids)
+    text = describe(records)
+    torch.testing.assert_close(actual.logits.float(), expected, rtol=2e-2, atol=2e-2, msg=lambda m: f"{m}\n{text}")
+    code = "\n".join(codes)
+    assert len([g for r in records for g in r.fused_groups]) == model.config.num_hidden_layers, text
+    assert all(not r.ops_kept for r in records), [r.ops_kept for r in records]
+    assert "torch.ops.fx_fusion" not in code, "a fused op is still called from Python"
+    kernel = "_grouped_gemv_kernel" if seq_len <= 32 else "_fused_kv_materialize_kernel"
+    assert kernel in code, text
+
+
+def logits_match_eager(config, model_class) -> tuple[list, str]:
+    """A sdpa model of `config` compiled with the backend: its logits against eager's; returns the pass's
+    records and their description."""
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = model_class(config).eval()
     ids = input_ids(2)
     with torch.no_grad():
         expected = model(ids).logits
@@ -333,6 +359,48 @@ def test_gpt_neox_per_head_qkv_fuses_each_layers_k():
             actual = torch.compile(model, backend="fx_fusion")(ids).logits
     text = describe(records)
     torch.testing.assert_close(actual, expected, **TOLERANCE, msg=lambda m: f"{m}\n{text}")
+    return records, text
+
+
+FALCON_LAYOUTS = {
+    # layout: (config extra, fused groups per layer as (n_layers, unit heads, layer_heads), Q's reason or None)
+    "multi_query": ({}, (2, 1, [4, 1]), None),  # Falcon-7B: Q's 4 heads and the one K head, blocks of 1
+    "per_head": ({"multi_query": False}, (1, 4, [4]), "not evenly spaced"),  # Q and K heads interleave
+    "new_decoder_kv1": ({"new_decoder_architecture": True, "num_kv_heads": 1}, (2, 1, [4, 1]), None),
+    "new_decoder_kv2": ({"new_decoder_architecture": True, "num_kv_heads": 2}, (1, 2, [2]), None),
+}
+
+
+@pytest.mark.parametrize("layout", list(FALCON_LAYOUTS))
+def test_falcon_qkv_cuts_fuse_each_layers_k(layout):
+    """Falcon cuts its fused query_key_value with index lists (`qkv[..., [-2], :]`), a select
+    (`qkv[..., 1, :]`) or, in the new decoder architecture, index lists per KV group with K broadcast to
+    every query head before RoPE: each layer's K is fused (with Q where Q's heads are evenly spaced
+    blocks beside it), the broadcast replayed on the fused K, and the logits equal eager."""
+    extra, (n_layers, unit, layer_heads), q_reason = FALCON_LAYOUTS[layout]
+    config = transformers.FalconConfig(**{**COMMON, "num_attention_heads": 4, **extra})
+    records, text = logits_match_eager(config, transformers.FalconForCausalLM)
+    groups = [g for r in records for g in r.fused_groups]
+    head_dim = config.hidden_size // config.num_attention_heads
+    assert [(g.n_layers, g.num_kv_heads, g.head_dim, g.layer_heads) for g in groups] == [
+        (n_layers, unit, head_dim, layer_heads)
+    ] * config.num_hidden_layers, text
+    for layer, group in enumerate(groups):
+        assert all(names_module(loc, f"transformer.h.{layer}.self_attention.query_key_value") for loc in group.layers), text
+    reasons = [j.reason for r in records for j in r.rejected if "query_key_value" in j.location]
+    if q_reason is None:
+        assert not reasons, text
+    else:
+        assert len(reasons) == config.num_hidden_layers and all(q_reason in r for r in reasons), text
+
+
+def test_gpt_neox_per_head_qkv_fuses_each_layers_k():
+    """GPT-NeoX (Pythia) lays its fused qkv out per head, `qkv.view(B, T, H, 3 * D).transpose(1, 2)` cut
+    with `chunk(3, dim=-1)`, and rotates a quarter of each head: each layer's K is fused (K heads 3 * D
+    columns apart, 4 rotary dims), its Q stays apart (Q and K heads interleave, so they are not evenly
+    spaced blocks: the reason says so), and the logits equal eager."""
+    config = transformers.GPTNeoXConfig(**{**COMMON, "num_attention_heads": 4, "num_key_value_heads": None})
+    records, text = logits_match_eager(config, transformers.GPTNeoXForCausalLM)
     groups = [g for r in records for g in r.fused_groups]
     head_dim = config.hidden_size // config.num_attention_heads
     rotary_fraction = getattr(config, "rotary_pct", None) or config.rope_parameters["partial_rotary_factor"]
