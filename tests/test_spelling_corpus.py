@@ -36,9 +36,10 @@ BF16_REL_TOL = 1e-2  # bfloat16 and float16: relative Frobenius error
 pytestmark = pytest.mark.usefixtures("fresh_compile")
 
 
-def compile_and_run(case, dtype):
-    """(compiled outputs, eager outputs, the pass) for `case` in `dtype`, under torch.no_grad()."""
+def compile_and_run(case, dtype, device="cpu"):
+    """(compiled outputs, eager outputs, the pass) for `case` in `dtype` on `device`, under torch.no_grad()."""
     module, inputs = case.build(dtype)
+    module, inputs = module.to(device), tuple(t.to(device) for t in inputs)
     fused_kv_pass = fx_fusion.FusedKVPass()
     with torch.no_grad():
         ref = module(*inputs)
@@ -84,6 +85,16 @@ def test_spelling_fuses_and_matches_eager(case, dtype):
     assert any(g.n_layers >= N_LAYERS for g in groups), (
         f"{case.name} ({case.source}): expected all {N_LAYERS} layers in one fused group; {describe(fused_kv_pass)}"
     )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("case", FUSING, ids=[c.name for c in FUSING])
+def test_spelling_fuses_and_matches_eager_on_cuda(case):
+    """Each spelling in bfloat16 on CUDA, where the fused work runs as our Triton kernels."""
+    got, ref, fused_kv_pass = compile_and_run(case, torch.bfloat16, "cuda")
+    assert_matches_eager(got, ref, torch.bfloat16)
+    groups, _ = groups_and_rejections(fused_kv_pass)
+    assert any(g.n_layers >= N_LAYERS for g in groups), f"{case.name}: {describe(fused_kv_pass)}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
