@@ -439,6 +439,10 @@ def match_rms_norm(x: torch.fx.Node) -> RMSNorm:
     if upcast is x and len(normed.users) > 1:  # used as is by several ops (the RoPE's pieces)
         return weightless
     after = _single_user(normed, "x * rsqrt(...)")
+    if upcast is not x and is_call(after, aten.clone.default) and len(after.users) == 1:
+        (cast,) = after.users  # a contiguous copy before the rounding (`_fused_rms_norm`'s decomposition)
+        if _is_cast(cast, in_dtype):
+            after = cast
     weight_in_float32, round_before_rope = False, True
     if upcast is not x and _is_cast(after, in_dtype):  # round first, then the weight (Hugging Face)
         if len(after.users) > 1:  # the rounded normalised K used as is

@@ -682,6 +682,33 @@ def build_torch_rmsnorm(dtype, functional=False):
     return _finish(TorchRMSNormContext(functional), dtype, _hidden(), cos, sin)
 
 
+# 7c. F.rms_norm as CUDA runs it: `torch.rms_norm` dispatches CUDA tensors to `aten._fused_rms_norm`, whose
+# decomposition upcasts, normalises, makes the result contiguous (a real copy when K is a transposed view)
+# and casts back; here with K normalised after `transpose(1, 2)` and no weight, then HF rotate_half RoPE.
+# pytorch/pytorch torch/_decomp/decompositions.py (_fused_rms_norm), aten/src/ATen/native/layer_norm.cpp
+
+
+class FusedRMSNormContext(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wk = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False) for _ in range(N_LAYERS))
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        outs = []
+        for wk in self.wk:
+            k = wk(x).view(B, T, -1, HEAD_DIM).transpose(1, 2)
+            k = torch.ops.aten._fused_rms_norm(k, [HEAD_DIM], None, EPS)[0]
+            outs.append(k * cos.unsqueeze(1) + modeling_qwen3.rotate_half(k) * sin.unsqueeze(1))
+        return tuple(outs)
+
+
+def build_fused_rms_norm(dtype):
+    torch.manual_seed(0)
+    cos, sin = _hf_cos_sin(_positions()[None].expand(BATCH, -1))
+    return _finish(FusedRMSNormContext(), dtype, _hidden(), cos, sin)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # 7b, 10. modded-nanogpt: one qkv weight [3, hdim, dim] through F.linear(x, qkv_w.flatten(end_dim=1)),
 # .view(B, T, 3 * H, D).chunk(3, dim=-2); weightless QK norm `F.rms_norm(x, (x.size(-1),))` in the INPUT
@@ -1245,6 +1272,11 @@ CASES: list[Case] = [
         _p(build_torch_rmsnorm, functional=True),
     ),
     Case("modded_nanogpt", "KellerJordan/modded-nanogpt train_gpt.py", _p(build_modded_nanogpt)),
+    Case(
+        "fused_rms_norm_weightless",
+        "pytorch/pytorch torch/_decomp/decompositions.py (_fused_rms_norm, F.rms_norm's CUDA path; transposed K)",
+        _p(build_fused_rms_norm),
+    ),
     Case("gemma3n_sqrt", _GEMMA3N + " (v4.53: x / torch.sqrt)", _p(build_gemma3n, spelling="sqrt")),
     Case("gemma3n_pow", _GEMMA3N + " (torch.pow(ms + eps, -0.5))", _p(build_gemma3n, spelling="pow")),
     Case(

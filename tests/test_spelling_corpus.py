@@ -87,19 +87,8 @@ def test_spelling_fuses_and_matches_eager(case, dtype):
     )
 
 
-# Spellings that fuse on CPU but not yet on CUDA, and what the report said there (H200, torch 2.11).
-CUDA_NOT_YET = {
-    "modded_nanogpt": "the weightless F.rms_norm(k, (D,)) of a bfloat16 K reaches the CUDA graph in a form the "
-    "norm matcher does not take ('K norm has no elementwise weight after normalising')",
-}
-ON_CUDA = [
-    pytest.param(c, marks=pytest.mark.xfail(reason=CUDA_NOT_YET[c.name])) if c.name in CUDA_NOT_YET else c
-    for c in FUSING
-]
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("case", ON_CUDA, ids=[c.name for c in FUSING])
+@pytest.mark.parametrize("case", FUSING, ids=[c.name for c in FUSING])
 def test_spelling_fuses_and_matches_eager_on_cuda(case):
     """Each spelling in bfloat16 on CUDA, where the fused work runs as our Triton kernels."""
     got, ref, fused_kv_pass = compile_and_run(case, torch.bfloat16, "cuda")
