@@ -362,6 +362,32 @@ def logits_match_eager(config, model_class) -> tuple[list, str]:
     return records, text
 
 
+@pytest.mark.parametrize("name", ["Qwen2VLText", "Qwen2_5_VLText", "Qwen3VLText"])
+def test_multimodal_rope_text_models_fuse_each_layers_q_and_k(name):
+    """The text decoders of Qwen2-VL, Qwen2.5-VL and Qwen3-VL build cos/sin from three position streams
+    cut into sections (M-RoPE); per token and frequency it is still one cos/sin table, so each layer's Q
+    and K fuse as with a plain RoPE, and the hidden states equal eager."""
+    config_class, model_class = getattr(transformers, f"{name}Config", None), getattr(transformers, f"{name}Model", None)
+    if config_class is None or model_class is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {name}Model")
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}  # head_dim 16: 8 frequencies
+    sizes = {k: v for k, v in COMMON.items() if k not in ("pad_token_id", "bos_token_id", "eos_token_id")}
+    config = config_class(**sizes, head_dim=16, rope_parameters=rope)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    ids = input_ids(1)
+    with torch.no_grad():
+        expected = model(ids).last_hidden_state
+        records: list = []
+        with RecordSink.collect(records):
+            actual = torch.compile(model, backend="fx_fusion")(ids).last_hidden_state
+    text = describe(records)
+    torch.testing.assert_close(actual, expected, **TOLERANCE, msg=lambda m: f"{m}\n{text}")
+    groups = [g for r in records for g in r.fused_groups]
+    assert [(g.n_layers, g.layer_heads) for g in groups] == [(2, [4, 2])] * config.num_hidden_layers, text
+
+
 FALCON_LAYOUTS = {
     # layout: (config extra, fused groups per layer as (n_layers, unit heads, layer_heads), Q's reason or None)
     "multi_query": ({}, (2, 1, [4, 1]), None),  # Falcon-7B: Q's 4 heads and the one K head, blocks of 1
