@@ -682,6 +682,7 @@ def build_torch_rmsnorm(dtype, functional=False):
     return _finish(TorchRMSNormContext(functional), dtype, _hidden(), cos, sin)
 
 
+# ----------------------------------------------------------------------------------------------------------
 # 7c. F.rms_norm as CUDA runs it: `torch.rms_norm` dispatches CUDA tensors to `aten._fused_rms_norm`, whose
 # decomposition upcasts, normalises, makes the result contiguous (a real copy when K is a transposed view)
 # and casts back; here with K normalised after `transpose(1, 2)` and no weight, then HF rotate_half RoPE.
