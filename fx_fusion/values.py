@@ -13,14 +13,12 @@ import torch.fx
 
 aten = torch.ops.aten
 
-# Ops that only re-lay out (or copy) a tensor: the same elements, in another shape or order.
 # The ops that only reshape (same elements, same order), as a graph spells them.
 RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+# Ops that only re-lay out (or copy) a tensor: the same elements, in another shape or order.
 LAYOUT_OPS = frozenset(
     {
-        aten.view.default,
-        aten.reshape.default,
-        aten._unsafe_view.default,
+        *RESHAPES,
         aten.permute.default,
         aten.transpose.int,
         aten.unsqueeze.default,
