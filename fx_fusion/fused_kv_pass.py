@@ -25,7 +25,8 @@ and computes the group's rotary angles, where Hugging Face forms them as an oute
 equal broadcast multiply (see rotary_angles), so Inductor fuses them into the cos/sin kernel.
 
 Why every accepted region equals the fused op:
-- the projection is an mm/addmm of x with parameters (biases one value per column), and the columns the
+- the projection is an mm/addmm of x with parameters (biases one value per column), or the cut of one
+  that Inductor zero-padded to aligned sizes (padded_linears: the same values), and the columns the
   branch reads are established by replaying its layout ops on an index tensor (kv_patterns.head_layout;
   over a few tokens, which every layout op treats alike, probe_sizes);
 - the scatter forwarding, the per-piece ops after a token cat and the re-layout of a strided piece are
@@ -72,7 +73,8 @@ import fx_fusion.kernels.grouped_linear  # noqa: F401  (registers fx_fusion::gro
 from . import cache_writes, kv_patterns, op_lowering, probe_sizes, rotary_action, rotary_angles, scatter_forwarding, token_cats
 from .diagnostics import FusedGroup, PassRecord, RecordSink, Rejection, node_location
 from .kv_patterns import KBranch, NoMatch, Projection, is_call, val
-from . import memo, values
+from . import memo, padded_linears, values
+from .padded_linears import padded_linear
 from .values import RESHAPES, ValueKeys
 
 logger = logging.getLogger("fx_fusion")
@@ -123,6 +125,7 @@ class FusedKVPass(CustomGraphPass):
             rotary_angles.__file__,
             values.__file__,
             memo.__file__,
+            padded_linears.__file__,
             probe_sizes.__file__,
             scatter_forwarding.__file__,
             token_cats.__file__,
@@ -250,13 +253,17 @@ def _find_candidates(graph: torch.fx.Graph, record: PassRecord, same_value: Valu
             pass
     parts = {part for projection in concatenated.values() for part in projection.parts}
     concatenated = {node: projection for node, projection in concatenated.items() if node not in parts}
+    padded = {n: p for n in graph.nodes if is_call(n, aten.slice.Tensor) and (p := padded_linear(n)) is not None}
+    parts |= {inner for p in padded.values() for inner in p.inner}  # read at their cut
     for node in graph.nodes:
         if node in concatenated:
             projection = kv_patterns.split_into_layers(concatenated[node])
         elif node in parts:
             continue
         else:
-            if is_call(node, aten.mm.default) and kv_patterns.bias_add_of(node) is not None:
+            if node in padded:
+                pass  # the cut of a zero-padded product (padded_linears)
+            elif is_call(node, aten.mm.default) and kv_patterns.bias_add_of(node) is not None:
                 node = kv_patterns.bias_add_of(node)  # the projection ends at its bias add
                 if node in parts:
                     continue

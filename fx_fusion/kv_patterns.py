@@ -26,7 +26,7 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from . import rotary_action
+from . import padded_linears, rotary_action
 from .probe_sizes import FULL_SIZE, ProbeMismatch, ProbeSizes, probe_call
 from .memo import OutcomeMemo, plain
 from .values import LAYOUT_OPS, RESHAPES, ValueKeys
@@ -150,6 +150,9 @@ def bias_add_of(mm: torch.fx.Node) -> Optional[torch.fx.Node]:
 
 
 def match_projection(node: torch.fx.Node) -> Projection:
+    padded = padded_linears.padded_linear(node)
+    if padded is not None:  # cut out of a product Inductor zero-padded: the linear it computes
+        return _linear(node, padded.bias, padded.x2d, padded.rhs)
     if is_call(node, aten.add.Tensor):
         mm = next((a for a in node.args[:2] if is_call(a, aten.mm.default)), None)
         if mm is None or bias_add_of(mm) is not node:
@@ -157,18 +160,23 @@ def match_projection(node: torch.fx.Node) -> Projection:
         inner = match_projection(mm)
         return dataclasses.replace(inner, node=node, biases=[_other_arg(node, mm)])
     if is_call(node, aten.mm.default):
-        bias, x2d, rhs = None, node.args[0], node.args[1]
-    elif is_call(node, aten.addmm.default):
-        bias, x2d, rhs = node.args[0], node.args[1], node.args[2]
+        return _linear(node, None, node.args[0], node.args[1])
+    if is_call(node, aten.addmm.default):
         if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
             raise NoMatch("addmm with alpha/beta scaling")
+        return _linear(node, node.args[0], node.args[1], node.args[2])
+    raise NoMatch("not a linear projection")
+
+
+def _linear(node: torch.fx.Node, bias, x2d: torch.fx.Node, rhs: torch.fx.Node) -> Projection:
+    """node = x2d @ rhs (+ bias) as a Projection, when rhs is a weight parameter transposed (or a folded
+    constant) and bias a parameter with one value per column."""
+    if bias is not None:
         if not is_parameter_rows(bias) or len(val(bias).shape) != 1:
             error = ComputedWeight if _cut_from_parameter(bias) else NoMatch
             raise error("projection bias is computed in the graph, not a parameter")
         if static_shape(bias) != static_shape(node)[-1:]:
             raise NoMatch(f"projection bias has shape {static_shape(bias)}, not one value per output column")
-    else:
-        raise NoMatch("not a linear projection")
     biases = [bias] if bias is not None else []
     if is_call(rhs, aten.permute.default) and list(rhs.args[1]) == [1, 0] and is_parameter_rows(rhs.args[0]):
         return Projection(node, x2d, [rhs.args[0]], biases, False)
@@ -436,8 +444,11 @@ def match_rms_norm(x: torch.fx.Node) -> RMSNorm:
             upcast = casts[0]
     normed, eps = _match_inverse_rms(upcast, rank)
     weightless = RMSNorm(out=normed, weight=None, weight_shape=[], eps=eps, width=width)
-    if upcast is x and len(normed.users) > 1:  # used as is by several ops (the RoPE's pieces)
-        return weightless
+    # no weight, the float32 result feeding the RoPE (F.rms_norm then a float32 RoPE, once Inductor has
+    # dropped the round trip to the input dtype between them); the op's ones then scale in float32
+    weightless_float32 = dataclasses.replace(weightless, weight_in_float32=True, round_before_rope=False)
+    if len(normed.users) > 1:  # used as is by several ops (the RoPE's pieces)
+        return weightless if upcast is x else weightless_float32
     after = _single_user(normed, "x * rsqrt(...)")
     if upcast is not x and is_call(after, aten.clone.default) and len(after.users) == 1:
         (cast,) = after.users  # a contiguous copy before the rounding (`_fused_rms_norm`'s decomposition)
@@ -450,9 +461,9 @@ def match_rms_norm(x: torch.fx.Node) -> RMSNorm:
         normed, after = after, _single_user(after, "normalised K")
         out = after
     elif upcast is not x:  # the weight in float32, then one rounding (SGLang native, Gemma)
+        if _weightless(after, normed):
+            return weightless_float32
         weight_in_float32 = True
-        if not is_call(after, aten.mul.Tensor):
-            raise NoMatch("K norm has no elementwise weight after normalising")
         cast_back = [u for u in after.users if _is_cast(u, in_dtype)]
         (copy,) = after.users if len(after.users) == 1 else (None,)
         if is_call(copy, aten.clone.default) and len(copy.users) == 1:  # a contiguous copy, then the cast

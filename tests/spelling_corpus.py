@@ -759,9 +759,25 @@ class ModdedNanoGPTContext(nn.Module):
         return tuple(outs)
 
 
-def build_modded_nanogpt(dtype):
+class ModdedNanoGPTFloat32Context(ModdedNanoGPTContext):
+    """The same layers as the post-grad graph of torch 2.11 on CUDA spells them: F.rms_norm upcasts,
+    normalises and casts back; the Rotary casts straight up again, and Inductor drops that round trip, so the
+    weightless norm's float32 result feeds the float32 RoPE, rounded once at its end."""
+
+    def forward(self, x):
+        B, T = x.size(0), x.size(1)
+        outs = []
+        for qkv_w in self.qkv_w:
+            q, k, v = F.linear(x, qkv_w.flatten(end_dim=1).type_as(x)).view(B, T, 3 * self.num_heads, self.head_dim).chunk(3, dim=-2)
+            k32 = k.float()
+            k32 = k32 * torch.rsqrt(k32.pow(2).mean(-1, keepdim=True) + torch.finfo(torch.float32).eps)
+            outs += [self.rotary(k32).type_as(k), v]
+        return tuple(outs)
+
+
+def build_modded_nanogpt(dtype, float32_rope=False):
     torch.manual_seed(0)
-    module = ModdedNanoGPTContext()
+    module = ModdedNanoGPTFloat32Context() if float32_rope else ModdedNanoGPTContext()
     module, (x,) = _finish(module, dtype, _hidden())
     module.rotary.float()  # its cos/sin buffers stay float32 (train_gpt.py builds them after .bfloat16())
     return module, (x,)
@@ -1273,6 +1289,12 @@ CASES: list[Case] = [
         _p(build_torch_rmsnorm, functional=True),
     ),
     Case("modded_nanogpt", "KellerJordan/modded-nanogpt train_gpt.py", _p(build_modded_nanogpt)),
+    Case(
+        "modded_nanogpt_float32_rope",
+        "KellerJordan/modded-nanogpt train_gpt.py, as torch 2.11 hands it to the pass on CUDA (no rounding "
+        "between the weightless norm and the float32 RoPE)",
+        _p(build_modded_nanogpt, float32_rope=True),
+    ),
     Case(
         "fused_rms_norm_weightless",
         "pytorch/pytorch torch/_decomp/decompositions.py (_fused_rms_norm, F.rms_norm's CUDA path; transposed K)",
