@@ -450,10 +450,7 @@ def launch_fused_kv_materialize(
     default_rows, default_warps = default_launch_config(num_rows, head_dim)
     block_rows = block_rows or default_rows
     copy_v = v_proj is not None
-    v_proj = v_proj if copy_v else k_proj  # unused stand-ins keep the signature fixed
     use_positions = positions is not None
-    sin = cos if use_positions else sin
-    unused = k_proj
     meta = dict(
         HEAD_DIM=head_dim,
         ROTARY_DIM=rotary_dim,
@@ -484,30 +481,33 @@ def launch_fused_kv_materialize(
     def launch(first: int, count: int, k_outs: list, v_outs: list, out_strides: tuple, slot_args: tuple) -> None:
         layers = slice(first, first + count)
         per_layer_cos = cos.dim() == 3 and not use_positions
+        # Pointers the launch does not read (output slots past the count, the cache slots and scales
+        # without a cache write, V without a copy, the norm's without a norm, sin with a cos/sin cache) are
+        # None: constexprs, which the launchers skip instead of passing a stand-in tensor.
         args = (
             k_proj[:, layers],
-            v_proj[:, layers],
-            *k_outs, *[k_outs[0]] * (MAX_CACHES_PER_LAUNCH - len(k_outs)),
-            *v_outs, *[v_outs[0]] * (MAX_CACHES_PER_LAUNCH - len(v_outs)),
-            cache.slots if cache is not None else unused,
-            cache.k_scale if meta["K_SCALED"] else unused,
-            cache.v_scale if meta["V_SCALED"] else unused,
-            norm_weight[layers] if norm_weight is not None else unused,
-            eps[layers] if eps is not None else unused,
+            v_proj[:, layers] if copy_v else None,
+            *k_outs, *[None] * (MAX_CACHES_PER_LAUNCH - len(k_outs)),
+            *v_outs, *[None] * (MAX_CACHES_PER_LAUNCH - len(v_outs)),
+            cache.slots if cache is not None else None,
+            cache.k_scale if meta["K_SCALED"] else None,
+            cache.v_scale if meta["V_SCALED"] else None,
+            norm_weight[layers] if norm_weight is not None else None,
+            eps[layers] if eps is not None else None,
             cos[layers] if per_layer_cos else cos,
-            sin[layers] if per_layer_cos else sin,
-            positions if use_positions else unused,
+            None if use_positions else sin[layers] if per_layer_cos else sin,
+            positions if use_positions else None,
             num_rows,
             num_kv_heads,
             cos.shape[0] if use_positions else 0,
             float(eps_value),
             *head_strides(k_proj, head_dim),
-            *head_strides(v_proj, head_dim),
+            *head_strides(v_proj if copy_v else k_proj, head_dim),
             *out_strides,
             *(norm_weight.stride() if norm_weight is not None else (0, 0)),
             eps.stride(0) if eps is not None else 0,
             *_table_strides(cos),
-            *_table_strides(sin),
+            *_table_strides(cos if use_positions else sin),
             positions.stride(0) if use_positions else 0,
             *slot_args,
         )  # fmt: skip
