@@ -706,12 +706,54 @@ def _rotation_after(start: torch.fx.Node, required: bool, same_value: Optional[V
             return chain[: end - 1], points[end - 1], rotary_action.match_rotation(points[end - 1], same_value)
         except rotary_action.NotRotary as reason:
             reasons.append(str(reason))
+    _refuse_scaled_rotation(points[-1], same_value)
     looks_rotated = any(is_call(u, aten.mul.Tensor, aten.slice.Tensor) for p in points for u in p.users)
-    # the most telling reason: one that found a rotary-like region, else the furthest point's
+    # the most telling reason: one that found a rotary-like region; with none, nothing K-like follows (a
+    # linear whose output is normalised and never rotated: an o_proj before a post-attention norm)
     found = [r for r in reasons if r != rotary_action.NO_ROTATION]
-    if required or (looks_rotated and found):
-        raise NoMatch((found or reasons)[0])
+    if found and (required or looks_rotated):
+        raise NoMatch(found[0])
     raise NotKBranch(reasons[0])
+
+
+def _rotated_downstream(start: torch.fx.Node, same_value: Optional[ValueKeys], depth: int = 12) -> bool:
+    """Whether a rotary embedding is applied within `depth` ops after `start`, to a value with start's last
+    dim: the K norm a branch failed to match is then worth reporting (not an MLP's gelu or a router's
+    softmax, which also start like a norm)."""
+    width = static_shape(start)[-1] if isinstance(val(start), torch.Tensor) else None
+    seen, frontier = {start}, [start]
+    for _ in range(depth):
+        frontier = [u for n in frontier for u in n.users if u not in seen and u.op == "call_function"]
+        seen.update(frontier)
+        for node in frontier:
+            value = val(node)
+            if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[-1] != width:
+                continue
+            if not any(is_call(u, aten.mul.Tensor, aten.slice.Tensor) for u in node.users):
+                continue
+            try:
+                rotary_action.match_rotation(node, same_value)
+                return True
+            except rotary_action.NotRotary:
+                continue
+    return False
+
+
+def _refuse_scaled_rotation(end: torch.fx.Node, same_value: Optional[ValueKeys]) -> None:
+    """NoMatch when K is multiplied by a constant and then rotated (Falcon-H1's `key_multiplier`): say so,
+    rather than that nothing is rotated. The op has no K scale; applying it after the op's rounding would
+    round twice where the graph rounds once."""
+    scaled = next(iter(end.users)) if len(end.users) == 1 else None
+    if not is_call(scaled, aten.mul.Tensor) or end not in scaled.args[:2]:
+        return
+    factor = _other_arg(scaled, end)
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+        return
+    try:
+        rotary_action.match_rotation(scaled, same_value)
+    except rotary_action.NotRotary:
+        return
+    raise NoMatch(f"K is multiplied by a constant ({factor:g}) before its RoPE; the fused op has no K scale")
 
 
 def match_k_branch(projection: Projection, source: "BranchSource", same_value: Optional[ValueKeys] = None) -> KBranch:
@@ -727,7 +769,12 @@ def match_k_branch(projection: Projection, source: "BranchSource", same_value: O
     layout_before, node = follow_layout(source.node)
     norm = None
     if starts_norm(node):
-        norm = match_rms_norm(node)
+        try:
+            norm = match_rms_norm(node)
+        except NoMatch as reason:
+            if not _rotated_downstream(node, same_value):  # nothing K-like: say what it lacks
+                raise NotKBranch(rotary_action.NO_ROTATION) from reason
+            raise
         layout_after, node, rotary = _rotation_after(norm.out, required=True, same_value=same_value)
     else:
         layout_before, node, rotary = _rotation_after(source.node, required=False, same_value=same_value)

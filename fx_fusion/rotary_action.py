@@ -180,7 +180,8 @@ def _closed_outputs(start: torch.fx.Node, inside: dict) -> list[torch.fx.Node]:
     shape = list(_hint(list(node_val(start).shape)))
     found = []
     for node in reversed(list(inside)):
-        if node is start or inside[node] != 1 or list(_hint(list(node_val(node).shape))) != shape:
+        value = node_val(node)  # a split's is a list of tensors
+        if node is start or inside[node] != 1 or not isinstance(value, torch.Tensor) or list(_hint(list(value.shape))) != shape:
             continue
         ancestors, stack = set(), [node]
         while stack:

@@ -1215,6 +1215,8 @@ class DeviatingLastLayer(nn.Module):
             hidden_shape = (*input_shape, -1, attn.head_dim)
             key_states = self._k_norm(attn, attn.k_proj(x).view(hidden_shape), last).transpose(1, 2)
             value_states = attn.v_proj(x).view(hidden_shape).transpose(1, 2)
+            if last and self.variant == "k_multiplier":  # Falcon-H1: `k * key_multiplier`, then RoPE
+                key_states = key_states * 0.5
             _, key_states = modeling_qwen3.apply_rotary_pos_emb(key_states, key_states, c, s)
             outs += [key_states, value_states]
         return tuple(outs)
@@ -1362,6 +1364,7 @@ NEGATIVE_CASES: list[Case] = [
     _negative("neg_eps_outside_rsqrt", "eps_outside_rsqrt", "x * rsqrt(ms) + eps", "eps outside the rsqrt"),
     _negative("neg_transposed_x", "transposed_x", "reads x.transpose(0, 1), B == T", "reads a different input"),
     _negative("neg_channel_shuffled_x", "channel_shuffled_x", "reads x[..., perm]", "reads a different input"),
+    _negative("neg_k_multiplier", "k_multiplier", "K * 0.5 before RoPE, Falcon-H1's key_multiplier", "K scaled before its RoPE"),
 ]
 
 # The supported math in spellings the pass does not fuse yet, and the reason it reports (a regex). They

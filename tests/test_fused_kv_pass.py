@@ -1014,3 +1014,27 @@ def test_random_variants_fuse_and_match_eager(
     assert (group.n_layers, group.num_kv_heads, group.head_dim, group.rotary_dim) == (n_layers, heads, head_dim, rotary_dim)
     assert (group.k_norm, group.bias, group.rotary_style == "interleaved") == (k_norm, bias, interleaved)
     assert sum(counting.after[op] for op in PROJECTION_OPS) == 0 and counting.after[FUSED_OP] == 1
+
+
+class _ScaledThenSplit(nn.Module):
+    """Falcon-H1's mamba in_proj: a linear output times a per-token table, then split (a list value inside
+    the region the rotary matcher walks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(32, 16, bias=False)
+
+    def forward(self, x, table):
+        first, second = (self.proj(x) * table).split([8, 8], dim=-1)
+        return first + 1, second * 2
+
+
+def test_a_split_after_a_linear_is_analysed_without_error():
+    module, x, table = _ScaledThenSplit(), torch.randn(5, 32), torch.randn(5, 16)
+    fused_kv_pass = fx_fusion.FusedKVPass()
+    with torch.no_grad():
+        got = torch.compile(module, options={"post_grad_custom_post_pass": fused_kv_pass})(x, table)
+        for g, r in zip(got, module(x, table)):
+            torch.testing.assert_close(g, r)
+    reasons = [j.reason for record in fused_kv_pass.records for j in record.rejected]
+    assert fused_kv_pass.records and not any("could not be analysed" in r for r in reasons), reasons

@@ -125,6 +125,16 @@ def test_deviating_layer_not_grouped_and_matches_eager(case, dtype):
         )
 
 
+def test_k_scaled_before_its_rope_is_named():
+    """Falcon-H1 multiplies K by a constant before the RoPE: the layer stays as written, and the report says
+    why (not that nothing is rotated)."""
+    case = next(c for c in NEGATIVE_CASES if c.name == "neg_k_multiplier")
+    got, ref, fused_kv_pass = compile_and_run(case, torch.float32)
+    assert_matches_eager(got, ref, torch.float32)
+    _, rejected = groups_and_rejections(fused_kv_pass)
+    assert any("multiplied by a constant (0.5) before its RoPE" in r.reason for r in rejected), describe(fused_kv_pass)
+
+
 def test_zlab_context_rows_fuse_and_noise_rows_keep_their_own_path():
     """z-lab's DFlash draft concatenates context and noise K along tokens before the norm: with a noise
     block of its own per layer, the context projections of all layers form one group and each layer's

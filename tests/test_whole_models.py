@@ -272,6 +272,17 @@ def test_compiled_logits_match_eager_and_projections_accounted(name, batch):
     torch.testing.assert_close(actual, expected, **TOLERANCE, msg=lambda m: f"{m}\n{text}")
     check_accounted(model, ids, records)
     check_attention_projections(name, model, records)
+    check_mlp_reasons(records)
+
+
+def check_mlp_reasons(records: list) -> None:
+    """An MLP's linears are never rotated: the report says so, not that their activation (Gemma's gelu-tanh
+    cubes its input, a MoE router's softmax subtracts the max) is a K norm that failed to match."""
+    text = describe(records)
+    for record in records:
+        for rejection in record.rejected:
+            if ".mlp." in module_of(rejection.location):
+                assert rejection.reason.startswith("left as a plain linear: no rotary embedding"), text
 
 
 def _generate(model, ids: torch.Tensor, **kwargs) -> torch.Tensor:
