@@ -723,7 +723,7 @@ def _rotated_downstream(start: torch.fx.Node, same_value: Optional[ValueKeys], d
     width = static_shape(start)[-1] if isinstance(val(start), torch.Tensor) else None
     seen, frontier = {start}, [start]
     for _ in range(depth):
-        frontier = [u for n in frontier for u in n.users if u not in seen and u.op == "call_function"]
+        frontier = list(dict.fromkeys(u for n in frontier for u in n.users if u not in seen and u.op == "call_function"))
         seen.update(frontier)
         for node in frontier:
             value = val(node)
