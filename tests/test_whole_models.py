@@ -285,6 +285,34 @@ def check_mlp_reasons(records: list) -> None:
                 assert rejection.reason.startswith("left as a plain linear: no rotary embedding"), text
 
 
+def test_gated_attention_of_a_hybrid_model_fuses_q_and_k():
+    """Qwen3.5 (Qwen3-Next's successor): linear-attention layers beside gated full attention, whose q_proj
+    yields each head's query and its output gate side by side ([H, 2 * D], cut with chunk), a (1 + w)
+    norm on Q and K and a RoPE over a quarter of each head. Logits match eager; the full-attention
+    layer's Q and K are each fused (Q's heads lie 2 * D apart, so Q does not join K as blocks of heads)."""
+    family = Family(
+        "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", HEAD_DIM + (("layer_types", ["linear_attention", "full_attention"]),)
+    )
+    FAMILIES["qwen3.5"] = family
+    try:
+        model = build("qwen3.5")
+    finally:
+        del FAMILIES["qwen3.5"]
+    ids = input_ids(1)
+    with torch.no_grad():
+        expected = model(ids).logits
+        records: list = []
+        with RecordSink.collect(records):
+            actual = torch.compile(model, backend="fx_fusion")(ids).logits
+    text = describe(records)
+    torch.testing.assert_close(actual, expected, **TOLERANCE, msg=lambda m: f"{m}\n{text}")
+    check_accounted(model, ids, records)
+    check_mlp_reasons(records)
+    fused = [module_of(loc) for r in records for g in r.fused_groups for loc in g.layers]
+    for projection in ("q_proj", "k_proj"):
+        assert any(m.endswith(f"layers.1.self_attn.{projection}") for m in fused), text
+
+
 def _generate(model, ids: torch.Tensor, **kwargs) -> torch.Tensor:
     with torch.no_grad():
         return model.generate(
