@@ -9,6 +9,8 @@ from unittest import mock
 
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 import torch._inductor.config
 import torch._inductor.decomposition
 import torch.nn.functional as F
@@ -151,3 +153,52 @@ def test_reads_the_linear_out_of_padded_products():
 def test_other_cuts_are_not_read_as_linears(cut):
     (found,) = _cuts(_graph(lambda x, w: (cut(x, w),), (5, 6), (12, 6)))
     assert found is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.tuples(st.integers(1, 6), st.integers(1, 5), st.integers(1, 5)),
+    pads=st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(0, 3), st.integers(0, 2)),
+    cut=st.tuples(st.integers(0, 2), st.integers(-3, 9), st.integers(0, 2), st.integers(-3, 9), st.integers(1, 2)),
+    bias=st.booleans(),
+    pad_value=st.sampled_from([0.0, 1.0]),
+)
+@example(sizes=(5, 4, 3), pads=(3, 2, 1, 0), cut=(0, 5, 0, 3, 1), bias=True, pad_value=0.0)
+@example(sizes=(5, 4, 3), pads=(3, 0, 0, 0), cut=(0, -3, 0, 9, 1), bias=False, pad_value=0.0)
+def test_a_cut_read_as_a_linear_holds_its_values(sizes, pads, cut, bias, pad_value):
+    """Whatever the pads (at either end, zeros or not) and the cuts: when padded_linear reads a cut as
+    x2d @ rhs + bias, the cut holds exactly those values."""
+    m, k, n = sizes
+    pad_m, pad_k, pad_n, pad_front = pads
+    row_start, row_end, col_start, col_end, step = cut
+
+    def product(x, w, b):
+        padded_x = F.pad(x, (0, pad_k, pad_front, pad_m), value=pad_value)
+        padded_w = F.pad(w.t(), (0, pad_n, 0, pad_k))
+        out = torch.addmm(F.pad(b, (0, pad_n)), padded_x, padded_w) if bias else torch.mm(padded_x, padded_w)
+        return (out[row_start:row_end:step, col_start:col_end],)
+
+    decompositions = torch._inductor.decomposition.select_decomp_table()
+    x, w, b = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
+    traced = make_fx(product, decompositions, tracing_mode="fake")(x, w, b)
+    (cut_node,) = next(n for n in traced.graph.nodes if n.op == "output").args[0]
+    found = padded_linear(cut_node)
+    rows = range(m + pad_front + pad_m)[row_start:row_end:step]
+    cols = range(n + pad_n)[col_start:col_end]
+    exact = rows == range(m) and cols == range(n) and pad_front == 0 and pad_value == 0.0
+    if exact and (pad_m or pad_n) and (pad_m or pad_k or pad_n):
+        assert found is not None  # what Inductor's padding writes is read (the cut drops padding)
+    if found is None:
+        return
+    values = {}
+
+    class Recorder(torch.fx.Interpreter):
+        def run_node(self, node):
+            values[node] = super().run_node(node)
+            return values[node]
+
+    Recorder(traced).run(x, w, b)
+    expected = values[found.x2d] @ values[found.rhs]
+    if found.bias is not None:
+        expected = expected + values[found.bias]
+    torch.testing.assert_close(values[found.cut], expected, rtol=1e-5, atol=1e-5)
