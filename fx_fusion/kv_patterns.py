@@ -251,12 +251,21 @@ def base_of(node: torch.fx.Node) -> torch.fx.Node:
 K_LAYOUT_OPS = LAYOUT_OPS | {aten.expand.default}
 
 
+def is_unit_scale(node) -> bool:
+    """`x * 1`: the same values in any float format (Falcon-H1's `key_multiplier` at its default; `1 / t`
+    reaches the graph as a reciprocal times the numerator 1)."""
+    if not is_call(node, aten.mul.Tensor) or len(node.args) != 2 or node.kwargs:
+        return False
+    return any(isinstance(a, (int, float)) and not isinstance(a, bool) and a == 1 for a in node.args)
+
+
 def follow_layout(node: torch.fx.Node, ops=K_LAYOUT_OPS) -> tuple[list[torch.fx.Node], torch.fx.Node]:
-    """Walk forward through single-user layout ops (`ops`); return them and the last node reached."""
+    """Walk forward through single-user layout ops (`ops`) and `x * 1`; return them and the last node
+    reached."""
     chain = []
     while len(node.users) == 1:
         (user,) = node.users
-        if not is_call(user, *ops) or user.args[0] is not node:
+        if not (is_call(user, *ops) or is_unit_scale(user)) or user.args[0] is not node:
             break
         chain.append(user)
         node = user
@@ -292,11 +301,6 @@ def _other_arg(node: torch.fx.Node, known) -> object:
 
 def _is_cast(node, dtype=None) -> bool:
     return is_call(node, prims.convert_element_type.default) and (dtype is None or node.args[1] == dtype)
-
-
-def _is_unit_scale(node) -> bool:
-    """`t * 1` (how `1 / t` reaches the graph: reciprocal, then a multiply by the numerator 1)."""
-    return is_call(node, aten.mul.Tensor) and any(not isinstance(a, torch.fx.Node) and a == 1 for a in node.args[:2])
 
 
 def starts_norm(node: torch.fx.Node) -> bool:
@@ -370,7 +374,7 @@ def _match_inverse_rms(upcast: torch.fx.Node, rank: int) -> tuple[torch.fx.Node,
         if not is_call(after, aten.reciprocal.default):
             raise NoMatch("K norm does not divide x by sqrt(mean(x^2) + eps)")
         inverse = after
-        while _is_unit_scale(_single_user(inverse, "1 / sqrt(...)")):
+        while is_unit_scale(_single_user(inverse, "1 / sqrt(...)")):
             inverse = _single_user(inverse, "1 / sqrt(...)")
     else:
         raise NoMatch("K norm applies something other than rsqrt to mean(x^2) + eps (eps sits elsewhere)")
@@ -556,6 +560,8 @@ def replay(nodes: list[torch.fx.Node], start: torch.Tensor, sizes: ProbeSizes = 
     constant index cut (`constant_index_cut`) is applied as the one-wide slice it equals."""
     value = start
     for node in nodes:
+        if is_unit_scale(node):
+            continue
         cut = constant_index_cut(node)
         if cut is not None:
             axis, position = cut

@@ -1215,8 +1215,8 @@ class DeviatingLastLayer(nn.Module):
             hidden_shape = (*input_shape, -1, attn.head_dim)
             key_states = self._k_norm(attn, attn.k_proj(x).view(hidden_shape), last).transpose(1, 2)
             value_states = attn.v_proj(x).view(hidden_shape).transpose(1, 2)
-            if last and self.variant == "k_multiplier":  # Falcon-H1: `k * key_multiplier`, then RoPE
-                key_states = key_states * 0.5
+            if last and self.variant in ("k_multiplier", "k_unit_multiplier"):  # Falcon-H1: `k * key_multiplier`
+                key_states = key_states * (0.5 if self.variant == "k_multiplier" else 1.0)
             _, key_states = modeling_qwen3.apply_rotary_pos_emb(key_states, key_states, c, s)
             outs += [key_states, value_states]
         return tuple(outs)
@@ -1322,6 +1322,12 @@ CASES: list[Case] = [
     # one layer rotating with other cos/sin values: the fused op reads one table per layer
     Case("own_cos_sin_transposed", f"{_HF} (last layer: cos/sin.transpose(0, 1), B == T)", _p(build_deviating, variant="cos_sin_transposed")),
     Case("own_rope_theta", f"{_HF} (last layer: rope_theta=100)", _p(build_deviating, variant="other_rope_theta")),
+    Case(
+        "falcon_h1_unit_key_multiplier",
+        f"{_HF} (last layer: K * 1.0 before RoPE, as huggingface/transformers "
+        "src/transformers/models/falcon_h1/modeling_falcon_h1.py scales K by key_multiplier, default 1)",
+        _p(build_deviating, variant="k_unit_multiplier"),
+    ),
     Case(
         "vllm_qwen3_negative_slices",
         _VLLM + " (q, k, v cut as qkv[..., -2 * kv : -kv] and the like)",
