@@ -388,7 +388,7 @@ def _is_whole_slice(node) -> bool:
     """`t[:]` on some dim: a no-op slice (how `w[None, :, None, :]` reaches the graph)."""
     if not is_call(node, aten.slice.Tensor):
         return False
-    dim, start, end, step = _slice_args(node)
+    dim, start, end, step = slice_args(node)
     return start == 0 and step == 1 and isinstance(end, int) and end >= static_shape(node.args[0])[dim]
 
 
@@ -500,7 +500,7 @@ def match_rms_norm(x: torch.fx.Node) -> RMSNorm:
     )
 
 
-def _slice_args(node) -> tuple:
+def slice_args(node) -> tuple:
     args = list(node.args) + [None] * (5 - len(node.args))
     dim, start, end, step = args[1:5]
     dim = node.kwargs.get("dim", dim if dim is not None else 0)
@@ -516,7 +516,7 @@ def _last_dim_slice(node, source, rank, width, axis: int = -1) -> Optional[tuple
     slicing does (`qkv[..., -2 * kv : -kv]` is columns [width - 2 * kv, width - kv))."""
     if not is_call(node, aten.slice.Tensor) or node.args[0] is not source:
         return None
-    dim, start, end, step = _slice_args(node)
+    dim, start, end, step = slice_args(node)
     if not all(isinstance(v, int) for v in (dim, start, end, step)) or dim % rank != axis % rank:
         return None
     start, end = (min(max(b + width if b < 0 else b, 0), width) for b in (start, end))

@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from . import kv_patterns  # (a module reference: kv_patterns imports this module while it loads)
+
 aten = torch.ops.aten
 
 
@@ -32,11 +34,8 @@ class PaddedLinear:
     inner: tuple  # the nodes below the cut, down to the product
 
 
-def _call(node, *targets) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
-
-
 def _shape(node: torch.fx.Node) -> Optional[list]:
+    """The static shape, or None (Inductor pads static sizes only; a symbolic one is never padded)."""
     value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
     if not isinstance(value, torch.Tensor) or not all(isinstance(s, int) for s in value.shape):
         return None
@@ -45,7 +44,7 @@ def _shape(node: torch.fx.Node) -> Optional[list]:
 
 def _end_padded(node) -> Optional[torch.fx.Node]:
     """t when node = constant_pad_nd(t, pad) with zeros appended (never prepended) on each dim, else None."""
-    if not _call(node, aten.constant_pad_nd.default):
+    if not kv_patterns.is_call(node, aten.constant_pad_nd.default):
         return None
     pad = list(node.args[1])
     value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
@@ -55,7 +54,7 @@ def _end_padded(node) -> Optional[torch.fx.Node]:
 
 
 def _zeros(node) -> bool:
-    return _call(node, aten.full.default) and node.args[1] == 0
+    return kv_patterns.is_call(node, aten.full.default) and node.args[1] == 0
 
 
 def _unpadded_bias(node) -> Optional[torch.fx.Node]:
@@ -63,7 +62,7 @@ def _unpadded_bias(node) -> Optional[torch.fx.Node]:
     padded = _end_padded(node)
     if padded is not None:
         return padded
-    if not _call(node, aten.cat.default) or len(node.args[0]) != 2:
+    if not kv_patterns.is_call(node, aten.cat.default) or len(node.args[0]) != 2:
         return None
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     first, rest = node.args[0]
@@ -73,9 +72,8 @@ def _unpadded_bias(node) -> Optional[torch.fx.Node]:
 def padded_linear(node: torch.fx.Node) -> Optional[PaddedLinear]:
     """The linear that `node` cuts out of a zero-padded product, or None (module docstring)."""
     cut, inner = node, []
-    while _call(node, aten.slice.Tensor) and len(inner) < 2:
-        args = list(node.args) + [None] * (5 - len(node.args))
-        start, step = args[2] or 0, args[4] or 1
+    while kv_patterns.is_call(node, aten.slice.Tensor) and len(inner) < 2:
+        _, start, _, step = kv_patterns.slice_args(node)
         if start != 0 or step != 1 or (inner and len(node.users) != 1):
             return None
         inner.append(node)
@@ -83,16 +81,16 @@ def padded_linear(node: torch.fx.Node) -> Optional[PaddedLinear]:
     if not inner or len(node.users) != 1:
         return None
     product, bias = node, None
-    if _call(node, aten.add.Tensor) and len(node.args) == 2 and node.kwargs.get("alpha", 1) == 1:
-        product = next((a for a in node.args if _call(a, aten.mm.default)), None)
+    if kv_patterns.is_call(node, aten.add.Tensor) and len(node.args) == 2 and node.kwargs.get("alpha", 1) == 1:
+        product = next((a for a in node.args if kv_patterns.is_call(a, aten.mm.default)), None)
         if product is None or len(product.users) != 1:
             return None
         bias = node.args[1] if node.args[0] is product else node.args[0]
         x_padded, rhs_padded = product.args[:2]
         inner.append(node)
-    elif _call(node, aten.addmm.default) and node.kwargs.get("beta", 1) == 1 and node.kwargs.get("alpha", 1) == 1:
+    elif kv_patterns.is_call(node, aten.addmm.default) and node.kwargs.get("beta", 1) == 1 and node.kwargs.get("alpha", 1) == 1:
         bias, x_padded, rhs_padded = node.args[:3]
-    elif _call(node, aten.mm.default):
+    elif kv_patterns.is_call(node, aten.mm.default):
         x_padded, rhs_padded = node.args[:2]
     else:
         return None
