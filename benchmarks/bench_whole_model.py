@@ -33,8 +33,10 @@ order rotating between rounds so that load from other work and clock drift hit e
 per-call time of each block is one sample (--threads 1 is steadier when other work shares the cores). This
 is how a decode loop calls the model: where a call is bound by host work, its launches overlap the previous
 call's kernels. The CUDA-graphed columns: triton.testing.do_bench(return_mode="all") per-call times of the
-replay in --rounds rounds, each timing every graphed column for --rep / --rounds ms in turn, rotating too. Cells are the
-median with the 10th-90th percentile spread. Every column's logits are checked against eager (relative
+replay in --rounds rounds, each timing every graphed column for --rep / --rounds ms in turn, rotating too. A
+block or round holds at least --min-calls calls (at T = 4096 a call takes about 15 ms). Cells are the
+median with the 10th-90th percentile spread; a ratio cell is the ratio of the medians and the 10th-90th percentiles
+of the ratios taken round by round (both columns timed in each round). Every column's logits are checked against eager (relative
 Frobenius error < 1e-3 in float32, < 4e-2 in bfloat16: stock Inductor itself sits at 2.5e-2 from eager at T=4096) before timing; a failing column is marked FAIL,
 one that cannot be built or run shows "-" and its error is printed.
 
@@ -184,14 +186,21 @@ def cuda_times_interleaved(calls: dict[str, Callable[[], Any]], args) -> dict[st
     names = list(calls)
     if not names:
         return {}
+    round_ms = {}
+    for name in names:  # a round holds at least --min-calls calls (large T: a call can outlast --rep / --rounds)
+        with freezing_on(name.startswith("freezing")):
+            call_ms = do_bench(calls[name], warmup=args.warmup, rep=1)
+        round_ms[name] = max(args.rep / args.rounds, args.min_calls * call_ms)
     samples: dict[str, list[float]] = {name: [] for name in names}
+    rounds: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(args.rounds):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
             with freezing_on(name.startswith("freezing")):
-                times = do_bench(calls[name], warmup=args.warmup, rep=args.rep / args.rounds, return_mode="all")
+                times = do_bench(calls[name], warmup=args.warmup, rep=round_ms[name], return_mode="all")
             samples[name] += [t * 1e3 for t in times]
-    return {name: spread(samples[name]) for name in names}
+            rounds[name].append(statistics.median(times) * 1e3)
+    return {name: {**spread(samples[name]), "rounds_us": rounds[name]} for name in names}
 
 
 def block_times_interleaved(calls: dict[str, Callable[[], Any]], args, sync: Callable[[], None]) -> dict[str, dict[str, float]]:
@@ -208,7 +217,7 @@ def block_times_interleaved(calls: dict[str, Callable[[], Any]], args, sync: Cal
             t0 = time.perf_counter()
             fn()
             sync()
-            per_block[name] = max(1, int(args.block_ms / 1e3 / max(time.perf_counter() - t0, 1e-7)))
+            per_block[name] = max(args.min_calls, int(args.block_ms / 1e3 / max(time.perf_counter() - t0, 1e-7)))
     names = list(calls)
     samples: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(args.repeats):
@@ -222,7 +231,7 @@ def block_times_interleaved(calls: dict[str, Callable[[], Any]], args, sync: Cal
                     fn()
                 sync()
                 samples[name].append((time.perf_counter() - t0) / n * 1e6)
-    return {name: {**spread(samples[name]), "calls_per_sample": per_block[name]} for name in names}
+    return {name: {**spread(samples[name]), "rounds_us": samples[name], "calls_per_sample": per_block[name]} for name in names}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -422,10 +431,16 @@ def fmt(cell: dict | None) -> str:
 
 
 def ratio(row: dict, num: str, den: str) -> str:
+    """The ratio of the medians, then [p10-p90] of the per-round ratios (each round times both columns
+    back to back, so drift between rounds cancels in them)."""
     a, b = row.get(num) or {}, row.get(den) or {}
     if a.get("median_us") is None or b.get("median_us") is None:
         return "-"
-    return f"{a['median_us'] / b['median_us']:.3f}"
+    text = f"{a['median_us'] / b['median_us']:.3f}"
+    if len(a.get("rounds_us", [])) == len(b.get("rounds_us", [])) > 1:
+        per_round = sorted(x / y for x, y in zip(a["rounds_us"], b["rounds_us"]))
+        text += f" [{_percentile(per_round, 0.1):.2f}-{_percentile(per_round, 0.9):.2f}]"
+    return text
 
 
 def markdown(rows: list[dict], meta: dict, graphed: bool) -> str:
@@ -437,8 +452,8 @@ def markdown(rows: list[dict], meta: dict, graphed: bool) -> str:
     if meta.get("note"):
         lines.append(meta["note"])
     lines.append(
-        "Cells: median us per call (p10-p90). fx_fusion/default < 1: fx_fusion faster. FAIL: logits differ from "
-        "eager."
+        "Cells: median us per call (p10-p90). fx_fusion/default < 1: fx_fusion faster (ratio of the medians, "
+        "[p10-p90] of the per-round ratios). FAIL: logits differ from eager."
     )
     lines.append("")
     header = ["model", "T", "default", "freezing", "fx_fusion", "fx_fusion/default"]
@@ -514,6 +529,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=25, help="CUDA: do_bench warmup (ms)")
     parser.add_argument("--rep", type=int, default=200, help="CUDA-graphed: do_bench time per column (ms), over all rounds")
     parser.add_argument("--rounds", type=int, default=5, help="CUDA-graphed: interleaved do_bench rounds")
+    parser.add_argument(
+        "--min-calls", type=int, default=10,
+        help="calls in every timed block (uncaptured) and do_bench round (graphed) at least, however long a call is",
+    )
     parser.add_argument("--out", default="bench_out", help="folder for bench_whole_model.json / .md")
     parser.add_argument("--verbose", action="store_true", help="print full tracebacks of failing columns")
     args = parser.parse_args(argv)
@@ -553,8 +572,9 @@ def main(argv: list[str] | None = None) -> int:
         "models": {m: MODELS[m][2] for m in models},
         "tolerance": tol,
         "timing": (
-            f"uncaptured: {args.repeats} blocks of >= {args.block_ms:g} ms of back-to-back calls, synchronized; "
-            f"graphed: triton do_bench(warmup={args.warmup} ms, rep={args.rep} ms in {args.rounds} rounds), all calls"
+            f"uncaptured: {args.repeats} blocks of >= {args.block_ms:g} ms and >= {args.min_calls} back-to-back calls, "
+            f"synchronized; graphed: triton do_bench(warmup={args.warmup} ms, rep={args.rep} ms in {args.rounds} rounds, "
+            f">= {args.min_calls} calls a round), all calls"
             if on_cuda
             else f"{args.repeats} blocks of >= {args.block_ms:g} ms, {torch.get_num_threads()} threads"
         ),

@@ -973,15 +973,19 @@ def branch_sources(projection: Projection) -> list[BranchSource]:
     return _strided_cuts(projection, node, prefix) or [whole(projection)]
 
 
-_CHAIN_OPS = (aten.view.default, aten.reshape.default, aten.permute.default, aten.transpose.int, aten.unsqueeze.default)
+_CHAIN_OPS = (
+    aten.view.default, aten.reshape.default, aten.permute.default, aten.transpose.int, aten.unsqueeze.default,
+    aten.squeeze.dim, aten.squeeze.dims, aten.clone.default,
+)
 
 
 def _strided_cuts(projection: Projection, node: torch.fx.Node, prefix: list) -> Optional[list[BranchSource]]:
     """Strided sources (BranchSource docstring): `node` viewed (and permuted), then cut along one axis
     (litgpt: `qkv.view(B, T, G, q + 2, hs).permute(0, 2, 3, 1, 4).split((q, 1, 1), dim=2)`; GPT-NeoX:
     `qkv.view(B, T, H, 3 * hs).transpose(1, 2).chunk(3, dim=-1)`; Falcon: `qkv.view(B, T, H, 3, hs)[..., 1, :]`;
-    `qkv.view(B, T, 3, H, hs).unbind(2)`); a piece whose elements are not whole heads at evenly spaced
-    columns is no source."""
+    `qkv.view(B, T, 3, H, hs).unbind(2)`; PyTorch's packed in-projection, `qkv.unflatten(-1, (3, E))
+    .unsqueeze(0).transpose(0, -2).squeeze(-2)` then indexed); a piece whose elements are not whole heads
+    at evenly spaced columns is no source."""
     chain, current = follow_layout(node, _CHAIN_OPS)
     shape = static_shape(current)
     for axis in range(len(shape)):

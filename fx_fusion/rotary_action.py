@@ -153,25 +153,30 @@ def _region(start: torch.fx.Node) -> dict:
         users = {user for node in frontier for user in node.users}
         frontier = {user for user in users if user not in reached and _is_call(user, _REGION_OPS)}
         reached.update(frontier)
-    # Descendants of `start` up to the last reached node (in graph order, every path to a node runs
-    # through earlier nodes, so this window holds all of them that region nodes can read).
-    last = max(reached, default=start)
-    descendants, stack = {start}, [start]
-    while stack:
-        for user in stack.pop().users:
-            if user not in descendants and not last < user:
-                descendants.add(user)
-                stack.append(user)
+    descendants: set = set()
+
+    def reads_k_from_outside(node: torch.fx.Node) -> bool:
+        if not descendants:  # once, on first need (most projections are no K: their region stays empty)
+            # Descendants of `start` up to the last reached node (in graph order, every path to a node runs
+            # through earlier nodes, so this window holds all of them that region nodes can read).
+            last = max(reached, default=start)
+            descendants.add(start)
+            stack = [start]
+            while stack:
+                for user in stack.pop().users:
+                    if user not in descendants and not last < user:
+                        descendants.add(user)
+                        stack.append(user)
+        return any(a not in inside and a in descendants for a in node.all_input_nodes)
 
     inside = {start: 0}
     for node in sorted(reached):  # graph order
-        if any(a not in inside and a in descendants for a in node.all_input_nodes):
-            continue  # depends on K through something outside the region (a norm's rsqrt, or a node left out)
         degree = _table_degree(node, inside)
-        if degree is not None:
-            inside[node] = degree
-            if len(inside) >= _MAX_REGION:
-                break
+        if degree is None or reads_k_from_outside(node):
+            continue  # not bilinear in K and the tables, or K reaches it through something outside the region
+        inside[node] = degree
+        if len(inside) >= _MAX_REGION:
+            break
     return inside
 
 

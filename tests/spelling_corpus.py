@@ -1230,6 +1230,174 @@ def build_deviating(dtype, variant):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# 18. A packed qkv cut by unflatten(-1, (3, hidden)).unsqueeze(0).transpose(0, -2).squeeze(-2), then one
+# index per projection: Baichuan-2's W_pack (float32 HF rotate_half on [B, H, T, D], cos/sin cached as
+# [1, 1, max_pos, D] and gathered by position_ids), and PyTorch's own `_in_projection_packed` (the
+# nn.MultiheadAttention cut, `.contiguous()` and unpacked into q, k, v) with a RoPE after it.
+# baichuan-inc/Baichuan2-7B-Base modeling_baichuan.py (Attention.forward, apply_rotary_pos_emb);
+# pytorch/pytorch torch/nn/functional.py (_in_projection_packed)
+
+
+class PackedQKVContext(nn.Module):
+    def __init__(self, style: str):
+        super().__init__()
+        self.style, self.width = style, KV_HEADS * HEAD_DIM  # MHA: q, k and v are equally wide
+        self.W_pack = nn.ModuleList(nn.Linear(HIDDEN, 3 * self.width, bias=style == "torch_mha") for _ in range(N_LAYERS))
+
+    def forward(self, x, cos_cached, sin_cached, position_ids):
+        bsz, q_len, _ = x.shape
+        outs = []
+        for W_pack in self.W_pack:
+            proj = W_pack(x).unflatten(-1, (3, self.width)).unsqueeze(0).transpose(0, -2).squeeze(-2)
+            if self.style == "baichuan2":
+                key_states, value_states = proj[1], proj[2]
+            else:
+                _, key_states, value_states = proj.contiguous()
+            k = key_states.view(bsz, q_len, KV_HEADS, HEAD_DIM).transpose(1, 2)
+            v = value_states.view(bsz, q_len, KV_HEADS, HEAD_DIM).transpose(1, 2)
+            cos = cos_cached.squeeze(1).squeeze(0)[position_ids].unsqueeze(1)
+            sin = sin_cached.squeeze(1).squeeze(0)[position_ids].unsqueeze(1)
+            if self.style == "baichuan2":
+                k = ((k.float() * cos) + (modeling_qwen3.rotate_half(k.float()) * sin)).to(v.dtype)
+            else:
+                k = k * cos.to(k.dtype) + modeling_qwen3.rotate_half(k) * sin.to(k.dtype)
+            outs += [k, v]
+        return tuple(outs)
+
+
+def build_packed_qkv(dtype, style):
+    torch.manual_seed(0)
+    freqs = torch.outer(torch.arange(MAX_POS, dtype=torch.float32), _inv_freq(HEAD_DIM))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    module, (x,) = _finish(PackedQKVContext(style), dtype, _hidden())
+    position_ids = _positions().unsqueeze(0).expand(BATCH, -1)
+    return module, (x, emb.cos()[None, None], emb.sin()[None, None], position_ids)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 19. Qwen (v1): c_attn's qkv split, rotate_half through `rearrange(x, "... (j d) -> ... j d", j=2)` and
+# unbind, float32 RoPE with the pass-through columns cast along and concatenated, [B, T, H, D] with cos/sin
+# [1, T, 1, D]. QwenLM/Qwen modeling_qwen.py (QWenAttention.forward, _rotate_half, apply_rotary_pos_emb)
+
+
+def _qwen_v1_rotate_half(x):
+    x1, x2 = x.unflatten(-1, (2, x.shape[-1] // 2)).unbind(dim=-2)  # what the rearrange computes
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class QwenV1Context(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.split_size = KV_HEADS * HEAD_DIM
+        self.c_attn = nn.ModuleList(nn.Linear(HIDDEN, 3 * self.split_size) for _ in range(N_LAYERS))
+
+    def forward(self, x, cos, sin):
+        bsz, q_len, _ = x.shape
+        outs = []
+        for c_attn in self.c_attn:
+            _, key, value = c_attn(x).split(self.split_size, dim=2)
+            key = key.view(bsz, q_len, KV_HEADS, HEAD_DIM)
+            rot_dim = cos.shape[-1]
+            t_, t_pass_ = key[..., :rot_dim].float(), key[..., rot_dim:].float()
+            t_ = (t_ * cos) + (_qwen_v1_rotate_half(t_) * sin)
+            outs += [torch.cat((t_, t_pass_), dim=-1).type_as(key), value.view(bsz, q_len, KV_HEADS, HEAD_DIM)]
+        return tuple(outs)
+
+
+def build_qwen_v1(dtype):
+    torch.manual_seed(0)
+    rotary_dim = HEAD_DIM // 2  # rotary_pct 0.5
+    freqs = torch.outer(_positions().float(), _inv_freq(rotary_dim))
+    emb = torch.cat((freqs, freqs), dim=-1).view(1, TOKENS, 1, rotary_dim)  # rearrange "n d -> 1 n 1 d"
+    module, (x,) = _finish(QwenV1Context(), dtype, _hidden())
+    return module, (x, emb.cos(), emb.sin())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 20. ChatGLM2/3: sequence-first [sq, b, heads, hn], a qkv split into multi-query groups, and a partial
+# (hn / 2) GPT-J-pair RoPE from a [sq, b, rot / 2, 2] cache of stacked (cos, sin) gathered per batch row,
+# through reshape / stack / flatten, the pass-through half concatenated after it.
+# THUDM/ChatGLM3 modeling_chatglm.py (RotaryEmbedding.forward_impl, apply_rotary_pos_emb, SelfAttention)
+
+
+def _chatglm_apply_rotary_pos_emb(x, rope_cache):
+    sq, np = x.size(0), x.size(2)
+    rot_dim = rope_cache.shape[-2] * 2
+    x, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+    rope_cache = rope_cache[:sq]
+    xshaped = x.reshape(sq, -1, np, rot_dim // 2, 2)
+    rope_cache = rope_cache.view(sq, -1, 1, xshaped.size(3), 2)
+    x_out2 = torch.stack(
+        [
+            xshaped[..., 0] * rope_cache[..., 0] - xshaped[..., 1] * rope_cache[..., 1],
+            xshaped[..., 1] * rope_cache[..., 0] + xshaped[..., 0] * rope_cache[..., 1],
+        ],
+        -1,
+    )
+    return torch.cat((x_out2.flatten(3), x_pass), dim=-1)
+
+
+class ChatGLMContext(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.sizes = [2 * KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM]  # q heads, k and v groups
+        self.query_key_value = nn.ModuleList(nn.Linear(HIDDEN, sum(self.sizes)) for _ in range(N_LAYERS))
+
+    def forward(self, hidden_states, rotary_pos_emb):  # [sq, b, hidden], [sq, b, rot / 2, 2]
+        outs = []
+        for query_key_value in self.query_key_value:
+            _, key_layer, value_layer = query_key_value(hidden_states).split(self.sizes, dim=-1)
+            key_layer = key_layer.view(key_layer.size()[:-1] + (KV_HEADS, HEAD_DIM))
+            value_layer = value_layer.view(value_layer.size()[:-1] + (KV_HEADS, HEAD_DIM))
+            outs += [_chatglm_apply_rotary_pos_emb(key_layer, rotary_pos_emb), value_layer]
+        return tuple(outs)
+
+
+def build_chatglm(dtype):
+    torch.manual_seed(0)
+    rot = HEAD_DIM // 2
+    idx_theta = torch.outer(torch.arange(MAX_POS, dtype=torch.float), _inv_freq(rot))
+    cache = torch.stack([torch.cos(idx_theta), torch.sin(idx_theta)], dim=-1)
+    cache = cache if dtype == torch.float32 else cache.to(dtype)  # the model casts its cache to half types
+    rotary_pos_emb = cache[_positions().unsqueeze(0).expand(BATCH, -1)].transpose(0, 1).contiguous()
+    module, (x,) = _finish(ChatGLMContext(), dtype, _hidden().transpose(0, 1).contiguous())
+    return module, (x, rotary_pos_emb)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 21. InternLM2: wqkv laid out per KV group as (query heads of the group, k, v), viewed
+# `b q (h gs d) -> b q h gs d` and cut with `[..., -2, :]` / `[..., -1, :]`; HF rotate_half on [B, H, T, D].
+# InternLM/InternLM modeling_internlm2.py (InternLM2Attention.forward)
+
+
+class InternLM2Context(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.groups = 2  # query heads per KV head
+        self.wqkv = nn.ModuleList(
+            nn.Linear(HIDDEN, (self.groups + 2) * KV_HEADS * HEAD_DIM, bias=False) for _ in range(N_LAYERS)
+        )
+
+    def forward(self, x, cos, sin):
+        bsz, q_len, _ = x.shape
+        outs = []
+        for wqkv in self.wqkv:
+            qkv_states = wqkv(x).view(bsz, q_len, KV_HEADS, self.groups + 2, HEAD_DIM)  # the rearrange
+            key_states = qkv_states[..., -2, :].transpose(1, 2)
+            value_states = qkv_states[..., -1, :].transpose(1, 2)
+            cos_, sin_ = cos.unsqueeze(1), sin.unsqueeze(1)
+            outs += [(key_states * cos_) + (modeling_qwen3.rotate_half(key_states) * sin_), value_states]
+        return tuple(outs)
+
+
+def build_internlm2(dtype):
+    torch.manual_seed(0)
+    freqs = torch.outer(_positions().float(), _inv_freq(HEAD_DIM))
+    emb = torch.cat((freqs, freqs), dim=-1)[None].expand(BATCH, -1, -1)
+    return _finish(InternLM2Context(), dtype, _hidden(), emb.cos(), emb.sin())
+
+
+# ----------------------------------------------------------------------------------------------------------
 # The corpus
 
 _p = functools.partial
@@ -1352,6 +1520,19 @@ CASES: list[Case] = [
         "z-lab/dflash dflash/model.py (each layer's noise block its own: only the context rows fuse)",
         _p(build_zlab_dflash, per_layer_noise=True),
     ),
+    Case(
+        "baichuan2_w_pack",
+        "baichuan-inc/Baichuan2-7B-Base modeling_baichuan.py (W_pack cut by unflatten/transpose/squeeze, proj[1])",
+        _p(build_packed_qkv, style="baichuan2"),
+    ),
+    Case(
+        "torch_mha_in_projection_packed",
+        "pytorch/pytorch torch/nn/functional.py (_in_projection_packed's cut, .contiguous(), unpacked)",
+        _p(build_packed_qkv, style="torch_mha"),
+    ),
+    Case("qwen_v1_unbind_rotate_half", "QwenLM/Qwen modeling_qwen.py (c_attn split, rearrange + unbind rotate_half)", _p(build_qwen_v1)),
+    Case("chatglm_sequence_first_pairs", "THUDM/ChatGLM3 modeling_chatglm.py (apply_rotary_pos_emb, SelfAttention)", _p(build_chatglm)),
+    Case("internlm2_grouped_wqkv", "InternLM/InternLM modeling_internlm2.py (InternLM2Attention.forward)", _p(build_internlm2)),
 ]
 
 
