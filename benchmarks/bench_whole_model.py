@@ -29,11 +29,12 @@ Columns (each compiled with dynamic=False, one compile per T; torch._dynamo.rese
 
 Timing: the uncaptured columns (CPU and CUDA) in --repeats rounds in which each column times one block of
 back-to-back calls (at least --block-ms long, one synchronize at its end on CUDA) with perf_counter, the
-order rotating between rounds so that load from other work and clock drift hit every column alike; the
+order changing between rounds (every permutation in turn, `round_orders`) so that load from other work,
+clock drift and cache effects of the neighbouring column hit every column alike; the
 per-call time of each block is one sample (--threads 1 is steadier when other work shares the cores). This
 is how a decode loop calls the model: where a call is bound by host work, its launches overlap the previous
 call's kernels. The CUDA-graphed columns: triton.testing.do_bench(return_mode="all") per-call times of the
-replay in --rounds rounds, each timing every graphed column for --rep / --rounds ms in turn, rotating too. A
+replay in --rounds rounds, each timing every graphed column for --rep / --rounds ms in turn, ordered the same way. A
 block or round holds at least --min-calls calls (at T = 4096 a call takes about 15 ms). Cells are the
 median with the 10th-90th percentile spread; a ratio cell is the ratio of the medians and the 10th-90th percentiles
 of the ratios taken round by round (both columns timed in each round). Every column's logits are checked against eager (relative
@@ -51,6 +52,7 @@ import collections
 import contextlib
 import gc
 import inspect
+import itertools
 import json
 import os
 import platform
@@ -178,9 +180,17 @@ def spread(times_us: list[float]) -> dict[str, float]:
     }
 
 
+def round_orders(names: list[str], rounds: int) -> list[list[str]]:
+    """The column order of each round: every permutation in turn, so that each column runs right after each
+    other one equally often (a plain rotation puts one column after the same neighbour in most rounds, and
+    a column that leaves the caches cold, as freezing's folded weights can on a CPU, then weighs on it)."""
+    orders = [list(order) for order in itertools.permutations(names)]
+    return [orders[index % len(orders)] for index in range(rounds)]
+
+
 def cuda_times_interleaved(calls: dict[str, Callable[[], Any]], args) -> dict[str, dict[str, float]]:
     """Per-call microseconds on CUDA: --rounds rounds, each running do_bench on every column in turn (the
-    order rotating between rounds) for --rep / --rounds ms; median and spread of all per-call times."""
+    order changing between rounds, `round_orders`) for --rep / --rounds ms; median and spread of all per-call times."""
     from triton.testing import do_bench
 
     names = list(calls)
@@ -193,9 +203,8 @@ def cuda_times_interleaved(calls: dict[str, Callable[[], Any]], args) -> dict[st
         round_ms[name] = max(args.rep / args.rounds, args.min_calls * call_ms)
     samples: dict[str, list[float]] = {name: [] for name in names}
     rounds: dict[str, list[float]] = {name: [] for name in names}
-    for round_index in range(args.rounds):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
+    for order in round_orders(names, args.rounds):
+        for name in order:
             with freezing_on(name.startswith("freezing")):
                 times = do_bench(calls[name], warmup=args.warmup, rep=round_ms[name], return_mode="all")
             samples[name] += [t * 1e3 for t in times]
@@ -205,7 +214,7 @@ def cuda_times_interleaved(calls: dict[str, Callable[[], Any]], args) -> dict[st
 
 def block_times_interleaved(calls: dict[str, Callable[[], Any]], args, sync: Callable[[], None]) -> dict[str, dict[str, float]]:
     """Per-call microseconds of back-to-back calls: --repeats rounds, each timing one block of calls of every
-    column in turn (the order rotating between rounds), `sync()` before a block starts and when it ends."""
+    column in turn (the order changing between rounds, `round_orders`), `sync()` before a block starts and when it ends."""
     if not calls:
         return {}
     per_block = {}
@@ -220,9 +229,8 @@ def block_times_interleaved(calls: dict[str, Callable[[], Any]], args, sync: Cal
             per_block[name] = max(args.min_calls, int(args.block_ms / 1e3 / max(time.perf_counter() - t0, 1e-7)))
     names = list(calls)
     samples: dict[str, list[float]] = {name: [] for name in names}
-    for round_index in range(args.repeats):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
+    for order in round_orders(names, args.repeats):
+        for name in order:
             fn, n = calls[name], per_block[name]
             with freezing_on(name == "freezing"):
                 sync()
@@ -520,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--no-graph", action="store_true", help="CUDA: skip the CUDA-graphed columns")
-    parser.add_argument("--repeats", type=int, default=None, help="uncaptured columns: timed blocks (default 21, --quick 11)")
+    parser.add_argument("--repeats", type=int, default=None, help="uncaptured columns: timed blocks (default 24, --quick 12)")
     parser.add_argument("--block-ms", type=float, default=20.0, help="uncaptured columns: minimum length of one timed block")
     parser.add_argument(
         "--threads", type=int, default=None,
@@ -528,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--warmup", type=int, default=25, help="CUDA: do_bench warmup (ms)")
     parser.add_argument("--rep", type=int, default=200, help="CUDA-graphed: do_bench time per column (ms), over all rounds")
-    parser.add_argument("--rounds", type=int, default=5, help="CUDA-graphed: interleaved do_bench rounds")
+    parser.add_argument("--rounds", type=int, default=6, help="CUDA-graphed: interleaved do_bench rounds")
     parser.add_argument(
         "--min-calls", type=int, default=10,
         help="calls in every timed block (uncaptured) and do_bench round (graphed) at least, however long a call is",
@@ -555,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown models {unknown}; known: {list(MODELS)}")
     if args.repeats is None:
-        args.repeats = 11 if args.quick else 21
+        args.repeats = 12 if args.quick else 24
     tol = 1e-3 if dtype == torch.float32 else 4e-2
     graphed = on_cuda and not args.no_graph
 

@@ -1,11 +1,13 @@
 """Uncaptured whole models (GPU): host cost, GPU time and back-to-back time per call, torch.compile vs fx_fusion.
 
-    python benchmarks/host_whole_model.py [--models llama3-8b,qwen3-8b] [--seq-lens 512] [--layers 4] [--out DIR]
+    python benchmarks/host_whole_model.py [--models llama3-8b,qwen3-8b] [--seq-lens 512] [--layers 4]
+                                          [--static-launch] [--out DIR]
 
-Per model and T, both columns compiled in one process and measured alternately:
+Per model and T, the columns compiled in one process and measured alternately (--static-launch adds fx_fusion
+with Inductor's static launcher for its kernels, `static_launch_user_defined_triton_kernels`):
 - host enqueue: one call with the GPU idle (synchronize, then time the call alone), median of 200;
 - GPU kernels: profiler device time of 5 calls / 5 (kernel and op rows both counted: a ratio only);
-- back-to-back: rounds of 100 calls and one synchronize, the column order alternating, median per call;
+- back-to-back: rounds of 100 calls and one synchronize, the column order rotating, median per call;
 and a profiler table of each column's host time by op. Appends to host_whole_model.txt in --out.
 """
 
@@ -53,8 +55,9 @@ def measure(calls: dict, rounds: int, say) -> dict:
         say(f"--- {name}: host time by op (5 calls)")
         say(table.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=70))
     back_to_back = {name: [] for name in calls}
+    names = list(calls)
     for index in range(rounds):
-        for name in list(calls) if index % 2 == 0 else list(calls)[::-1]:
+        for name in names[index % len(names) :] + names[: index % len(names)]:
             torch.cuda.synchronize()
             start = time.perf_counter()
             for _ in range(100):
@@ -70,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-lens", default="512")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--static-launch", action="store_true", help="add fx_fusion with Inductor's static launcher")
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -86,30 +90,38 @@ def main(argv: list[str] | None = None) -> int:
         for seq_len in (int(t) for t in args.seq_lens.split(",")):
             ids = torch.randint(3, 32000, (1, seq_len), device=device)
             calls = {}
-            for column, backend in (("torch.compile", "inductor"), ("fx_fusion", "fx_fusion")):
+            columns = [("torch.compile", "inductor", None), ("fx_fusion", "fx_fusion", None)]
+            if args.static_launch:
+                columns.append(("fx_fusion static launch", "fx_fusion", {"static_launch_user_defined_triton_kernels": True}))
+            for column, backend, options in columns:
                 torch._dynamo.reset()
-                compiled = torch.compile(model, backend=backend, dynamic=False)
+                compiled = torch.compile(model, backend=backend, dynamic=False, options=options)
                 calls[column] = lambda compiled=compiled: compiled(ids, **kwargs).logits
             with torch.no_grad():
                 for call in calls.values():
                     for _ in range(3):
                         call()
                 say(f"=== {model_name}, {args.layers} layers, T = {seq_len}")
+                if args.static_launch:
+                    fx_outputs = [calls[name]() for name in calls if name != "torch.compile"]
+                    say(f"fx_fusion's logits bitwise equal with either launcher: {torch.equal(*fx_outputs)}")
                 found = measure(calls, args.rounds, say)
             for name in calls:
                 say(
                     f"RESULT {model_name} T={seq_len} {name}: host enqueue {_summary(found['enqueue'][name])}; "
                     f"GPU kernels {found['gpu'][name]:.0f} us; back-to-back {_summary(found['back_to_back'][name])}"
                 )
-            fx, stock = "fx_fusion", "torch.compile"
-            ratios = " ".join(f"{a / b:.3f}" for a, b in zip(found["back_to_back"][fx], found["back_to_back"][stock]))
-            say(
-                f"RATIO {model_name} T={seq_len}: enqueue "
-                f"{statistics.median(found['enqueue'][fx]) / statistics.median(found['enqueue'][stock]):.3f} "
-                f"gpu {found['gpu'][fx] / found['gpu'][stock]:.3f} back-to-back "
-                f"{statistics.median(found['back_to_back'][fx]) / statistics.median(found['back_to_back'][stock]):.3f}; "
-                f"per round {ratios}"
-            )
+            stock = "torch.compile"
+            for fx in [name for name in calls if name != stock]:
+                per_round = [a / b for a, b in zip(found["back_to_back"][fx], found["back_to_back"][stock])]
+                say(
+                    f"RATIO {model_name} T={seq_len} {fx}: enqueue "
+                    f"{statistics.median(found['enqueue'][fx]) / statistics.median(found['enqueue'][stock]):.3f} "
+                    f"gpu {found['gpu'][fx] / found['gpu'][stock]:.3f} back-to-back "
+                    f"{statistics.median(found['back_to_back'][fx]) / statistics.median(found['back_to_back'][stock]):.3f}; "
+                    f"per round: median {statistics.median(per_round):.3f}, faster in {sum(r < 1 for r in per_round)} "
+                    f"of {len(per_round)} ({' '.join(f'{r:.3f}' for r in per_round)})"
+                )
         del model
         torch.cuda.empty_cache()
     return 0
