@@ -301,6 +301,12 @@ def _find_candidates(graph: torch.fx.Graph, record: PassRecord, same_value: Valu
     return by_input.values()
 
 
+UNSPLIT_TOKEN_CAT = (
+    "joined along tokens with other rows (a cat of symbolic length) before its norm and RoPE; such a cat is "
+    "split into its pieces at fixed lengths only"
+)
+
+
 def fuse_kv_groups(graph: torch.fx.Graph, min_layers: int = 1, stack_weights_in_graph: bool = False) -> PassRecord:
     """Find, group and rewrite (module docstring). `stack_weights_in_graph`: spell the grouped GEMM as one
     mm over `cat(weights)` in the graph, for Inductor freezing to fold into one constant (no op call)."""
@@ -311,8 +317,12 @@ def fuse_kv_groups(graph: torch.fx.Graph, min_layers: int = 1, stack_weights_in_
     scatter_forwarding.forward_scattered_views(graph)
     if token_cats.push_token_cats(graph):
         graph.eliminate_dead_code()
+    unsplit = token_cats.unsplit_projections(graph)
     same_value = ValueKeys()
     for entry in _find_candidates(graph, record, same_value):
+        for projection in entry["projections"]:
+            if projection.node in unsplit:
+                entry["not_k"][projection.node] = UNSPLIT_TOKEN_CAT
         branches: list[KBranch] = entry["branches"]
         fused_projections = set()
         keyed = collections.defaultdict(list)
@@ -786,16 +796,15 @@ def _strided_piece(builder: _GraphBuilder, k_all: torch.fx.Node, block: int, cou
     """One layer's K [tokens, H, D] laid out as its strided source piece (kv_patterns.BranchSource): the
     tokens split as the piece's token axes, then its axes put in the piece's order, size-1 axes added."""
     shape = list(val(source.node).shape)
-    if any(not isinstance(n, int) for n in shape):
-        raise NoMatch("a strided K piece is fused only at a static size")
     token_axes = sorted((a for a, (role, _) in enumerate(source.roles) if role == "token"), key=lambda a: source.roles[a][1])
     head_axes = [a for a, (role, _) in enumerate(source.roles) if role == "head"]
+    token_sizes = _size_args(builder.graph, [shape[a] for a in token_axes])
     if count == 1:  # [tokens, H, D]
         piece = builder.call(aten.select.int, k_all, 0, block)
     else:  # its heads in `count` blocks: [tokens, count, unit, D]
         piece = builder.call(aten.slice.Tensor, k_all, 0, block, block + count)
         piece = builder.call(aten.permute.default, piece, [1, 0, 2, 3])
-    piece = builder.call(aten.reshape.default, piece, [shape[a] for a in token_axes] + [source.n_heads, shape[-1]])
+    piece = builder.call(aten.reshape.default, piece, token_sizes + [source.n_heads, shape[-1]])
     present = token_axes + head_axes  # the axes `piece` has now (a head axis only when the piece has one)
     if not head_axes:
         piece = builder.call(aten.select.int, piece, len(token_axes), 0)
@@ -805,6 +814,20 @@ def _strided_piece(builder: _GraphBuilder, k_all: torch.fx.Node, block: int, cou
         if role == "unit":
             piece = builder.call(aten.unsqueeze.default, piece, axis)
     return piece
+
+
+def _size_args(graph: torch.fx.Graph, sizes: list) -> list:
+    """`sizes` as a reshape's size arguments: a number as it is, a symbolic size as the graph input that
+    holds its symbol (dynamo passes each free symbol of a dynamic shape as an input), one other as -1;
+    NoMatch when more are left (the reshape could not be spelled)."""
+    symbols = {}
+    for node in graph.find_nodes(op="placeholder"):
+        if isinstance(val(node), torch.SymInt):
+            symbols.setdefault(val(node).node.expr, node)
+    args = [size if isinstance(size, int) else symbols.get(size.node.expr, -1) for size in sizes]
+    if args.count(-1) > 1:
+        raise NoMatch("a strided K piece has token axes of symbolic sizes that are not graph inputs")
+    return args
 
 
 def _region_text(graph, projections: list[Projection], branches: list[KBranch]) -> str:

@@ -218,8 +218,8 @@ class _Probe:
         keys: dict = {}
         for node in nodes:
             for arg in node.all_input_nodes:
-                if arg in inside or arg in self.table_of:
-                    continue
+                if arg in inside or arg in self.table_of or not isinstance(node_val(arg), torch.Tensor):
+                    continue  # a size node (a view's symbolic token count) is an argument, not a table
                 table, sign = arg, 1.0
                 negated = _negated_table(arg)
                 if negated is not None and isinstance(node_val(negated), torch.Tensor):
@@ -247,7 +247,9 @@ class _Probe:
             if isinstance(a, torch.fx.Node):
                 if a is self.start:
                     return ("k",)
-                return ("node", position[a]) if a in position else ("table", *self.table_of[a])
+                if a in position:
+                    return ("node", position[a])
+                return ("table", *self.table_of[a]) if a in self.table_of else ("size", plain(_hint(a)))
             if isinstance(a, (list, tuple)):
                 return (type(a).__name__, *(encode(e) for e in a))
             if isinstance(a, dict):
@@ -276,6 +278,8 @@ class _Probe:
             if isinstance(a, torch.fx.Node):
                 if a in env:
                     return env[a]
+                if a not in self.table_of:
+                    return _hint(a)  # a size node: its example value (probe_call maps token counts)
                 index, sign = self.table_of[a]
                 table = torch.view_as_complex(tables[index]) if self.complex[index] else tables[index]
                 return table if sign > 0 else -table

@@ -29,10 +29,23 @@ from .values import RESHAPES
 aten = torch.ops.aten
 
 
-def _same_static_shape(a: torch.fx.Node, b: torch.fx.Node) -> bool:
-    """Both shapes known numbers and equal (symbolic sizes are not compared: that would add guards)."""
+def _same_size(a, b) -> bool:
+    """Equal numbers, or symbolic sizes of one expression (compared as expressions: no guard is added)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt) and a.node.expr == b.node.expr
+
+
+def _same_shape(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    """Shapes equal at every size the graph may run with."""
     shapes = [list(val(n).shape) for n in (a, b)]
-    return all(isinstance(s, int) for shape in shapes for s in shape) and shapes[0] == shapes[1]
+    return len(shapes[0]) == len(shapes[1]) and all(_same_size(x, y) for x, y in zip(*shapes))
+
+
+def _static_length(source, dim) -> bool:
+    """Whether `source`'s dim `dim` has a fixed length: cuts and scatters are compared by their bounds, which
+    along a symbolic dim would hold for the example size only."""
+    return isinstance(val(source), torch.Tensor) and isinstance(dim, int) and isinstance(val(source).shape[dim], int)
 
 
 def _cut(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int, int, int]]:
@@ -51,13 +64,13 @@ def _cut(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int, int, int]]:
         length = static_shape(source)[dim]
         if isinstance(sizes, int):
             sizes = [sizes] * (-(-length // sizes))
-        if not all(isinstance(size, int) for size in sizes):
-            return None
+        if not isinstance(sizes, (list, tuple)) or not all(isinstance(size, int) for size in sizes):
+            return None  # symbolic split sizes (a node, or nodes in the list)
         start, step = sum(sizes[:index]), 1
         end = start + sizes[index]
     else:
         return None
-    if not isinstance(val(source), torch.Tensor) or not all(isinstance(v, int) for v in (dim, start, step)) or step != 1:
+    if not all(isinstance(v, int) for v in (dim, start, step)) or step != 1 or not _static_length(source, dim):
         return None
     rank, length = val(source).dim(), static_shape(source)[dim]
     end = length if end is None or not isinstance(end, int) or end > length else end
@@ -71,7 +84,7 @@ def _scattered(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, torch.fx.No
     args = list(node.args) + [None] * (6 - len(node.args))
     base, src, dim, start, end, step = args[:6]
     dim, start, step = dim or 0, start or 0, step or 1
-    if not all(isinstance(v, int) for v in (dim, start, step)) or step != 1:
+    if not all(isinstance(v, int) for v in (dim, start, step)) or step != 1 or not _static_length(base, dim):
         return None
     length = static_shape(base)[dim]
     end = length if not isinstance(end, int) or end > length else end
@@ -113,7 +126,7 @@ def _forward_once(graph: torch.fx.Graph) -> list[torch.fx.Node]:
             base, src, scatter_dim, scatter_start, scatter_end = _scattered(source)
             if dim != scatter_dim:
                 break
-            if (start, end) == (scatter_start, scatter_end) and _same_static_shape(src, node):
+            if (start, end) == (scatter_start, scatter_end) and _same_shape(src, node):
                 replacement = src
                 break
             if end <= scatter_start or start >= scatter_end:  # untouched columns: the same cut of base
@@ -125,7 +138,7 @@ def _forward_once(graph: torch.fx.Graph) -> list[torch.fx.Node]:
             break
         if replacement is None and is_call(node, *RESHAPES) and is_call(node.args[0], *RESHAPES):
             inner = node.args[0].args[0]
-            if isinstance(val(inner), torch.Tensor) and _same_static_shape(inner, node):
+            if isinstance(val(inner), torch.Tensor) and _same_shape(inner, node):
                 replacement = inner
         if replacement is not None:
             node.replace_all_uses_with(replacement)

@@ -217,6 +217,24 @@ def _join_cat(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int]]:
     return node, dim % rank
 
 
+def unsplit_projections(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """Projections whose rows a cat along a token axis of symbolic length joins with others: left whole
+    (pieces are cut at fixed row bounds), so their K branches start at the cat."""
+    found = set()
+    for node in graph.nodes:
+        if not is_call(node, aten.cat.default) or _static(node) is not None or len(node.args[0]) < 2:
+            continue
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        if dim % val(node).dim() == val(node).dim() - 1:
+            continue
+        for piece in node.args[0]:
+            while is_call(piece, *RESHAPES):
+                piece = piece.args[0]
+            if is_call(piece, *PROJECTION_OPS):
+                found.add(piece)
+    return found
+
+
 def push_token_cats(graph: torch.fx.Graph) -> int:
     """Rewrite every pushable region (module docstring); returns how many cats were pushed down."""
     pushed = 0

@@ -1,0 +1,198 @@
+"""Random context-K/V drafts: each axis of the spelling corpus drawn at random, with one layer deviating.
+
+A draft is 1-3 layers over one hidden state; each layer projects K and V (separate linears, a kv linear
+split in two, or K and V cut from a qkv linear by slices), lays K out as [B, T, H, D] or [B, H, T, D]
+(before or after the norm), normalises it (none, Hugging Face's RMSNorm, F.rms_norm, Gemma's 1 + weight,
+no upcast) and rotates it (rotate_half by slices or chunk, vLLM's native halves, GPT-J pairs; full or
+partial) with cos/sin computed from the positions or gathered from a cat(cos, sin) cache. Optional: bias,
+V transposed, the raw K returned too, one norm weight shared by every layer, a dynamic token count. One
+layer may deviate in eps, rope base, the rotary style or width, the norm, or read the hidden states
+flipped: grouping must tell those apart by value. `check(seed)` compiles a draft with FusedKVPass and
+with stock Inductor and compares both with eager.
+
+    python tests/fuzz_spellings.py [--first 0] [--count 200]     # a long run, one line per draft
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fx_fusion
+
+HIDDEN, HEADS, HEAD_DIM, MAX_POS = 64, 2, 16, 64
+ROPES = ("slices", "chunk", "vllm", "gptj")
+NORMS = ("none", "hf", "f_rms_norm", "gemma", "no_upcast")
+
+
+def _inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+
+
+class FuzzLayer(nn.Module):
+    def __init__(self, spec: dict):
+        super().__init__()
+        self.spec, width, bias = spec, HEADS * HEAD_DIM, spec["bias"]
+        if spec["projection"] == "separate":
+            self.k_proj, self.v_proj = nn.Linear(HIDDEN, width, bias=bias), nn.Linear(HIDDEN, width, bias=bias)
+        else:  # kv: [k | v]; qkv: [q (2H heads) | k | v]
+            self.fused = nn.Linear(HIDDEN, (2 if spec["projection"] == "kv" else 4) * width, bias=bias)
+        self.norm_weight = nn.Parameter(torch.rand(HEAD_DIM) + 0.5) if spec["norm"] != "none" else None
+
+    def project(self, x):
+        width = HEADS * HEAD_DIM
+        if self.spec["projection"] == "separate":
+            return self.k_proj(x), self.v_proj(x)
+        if self.spec["projection"] == "kv":
+            k, v = self.fused(x).split(width, dim=-1)
+            return k, v
+        qkv = self.fused(x)
+        return qkv[..., 2 * width : 3 * width], qkv[..., 3 * width :]
+
+    def norm(self, k):
+        kind, eps, w = self.spec["norm"], self.spec["eps"], self.norm_weight
+        if kind == "none":
+            return k
+        if kind == "f_rms_norm":
+            return F.rms_norm(k, (HEAD_DIM,), w, eps)
+        if kind == "no_upcast":
+            return k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + eps) * w
+        h = k.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return w * h.to(k.dtype) if kind == "hf" else (h * (1.0 + w.float())).type_as(k)
+
+    def rotate(self, k, cos, sin):  # cos/sin [..., rotary_dim], neox halves repeated
+        rot = cos.shape[-1]
+        kr, k_pass = k[..., :rot], k[..., rot:]
+        style, half = self.spec["rope"], rot // 2
+        if style == "slices":
+            out = kr * cos + torch.cat((-kr[..., half:], kr[..., :half]), dim=-1) * sin
+        elif style == "chunk":
+            x1, x2 = kr.chunk(2, dim=-1)
+            out = kr * cos + torch.cat((-x2, x1), dim=-1) * sin
+        elif style == "vllm":
+            c, s, x1, x2 = cos[..., :half], sin[..., :half], kr[..., :half], kr[..., half:]
+            out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+        else:  # GPT-J pairs
+            c, s, x1, x2 = cos[..., :half], sin[..., :half], kr[..., ::2], kr[..., 1::2]
+            out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+        return torch.cat((out, k_pass), dim=-1) if k_pass.shape[-1] else out
+
+    def tables(self, positions, dtype):
+        rot = HEAD_DIM // 2 if self.spec["partial"] else HEAD_DIM
+        if self.spec["tables"] == "cache":  # vLLM/SGLang: a [max_pos, rot] cat(cos, sin) cache, gathered
+            freqs = torch.outer(torch.arange(MAX_POS).float(), _inv_freq(rot, self.spec["base"]))
+            cos, sin = torch.cat((freqs.cos(), freqs.sin()), -1).to(dtype).index_select(0, positions).chunk(2, dim=-1)
+            return torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+        freqs = torch.outer(positions.float(), _inv_freq(rot, self.spec["base"]))
+        emb = torch.cat((freqs, freqs), -1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, x, positions):
+        spec = self.spec
+        batch, tokens, _ = x.shape
+        k, v = self.project(x.flip(0) if spec["flip_x"] else x)
+        k, v = k.view(batch, tokens, HEADS, HEAD_DIM), v.view(batch, tokens, HEADS, HEAD_DIM)
+        raw = k
+        cos, sin = self.tables(positions, x.dtype)
+        if spec["layout"] == "bthd":
+            k = self.rotate(self.norm(k), cos[None, :, None], sin[None, :, None])
+        else:
+            k = self.norm(k.transpose(1, 2)) if spec["layout"] == "bhtd" else self.norm(k).transpose(1, 2)
+            k = self.rotate(k, cos[None, None], sin[None, None])
+        v = v.transpose(1, 2) if spec["v_transposed"] else v
+        return (k, v, raw) if spec["raw_k"] else (k, v)
+
+
+class FuzzDraft(nn.Module):
+    def __init__(self, specs: list[dict], shared_norm: bool):
+        super().__init__()
+        self.layers = nn.ModuleList(FuzzLayer(spec) for spec in specs)
+        weighted = [layer for layer in self.layers if layer.norm_weight is not None]
+        for layer in weighted[1:] if shared_norm else []:
+            layer.norm_weight = weighted[0].norm_weight
+
+    def forward(self, x, positions):
+        return tuple(out for layer in self.layers for out in layer(x, positions))
+
+
+def draw(seed: int) -> dict:
+    """One draft's description (plain data), drawn from `seed`."""
+    rng = random.Random(seed)
+    spec = dict(
+        projection=rng.choice(["separate", "kv", "qkv"]), bias=rng.random() < 0.3,
+        layout=rng.choice(["bthd", "bhtd", "bhtd_after_norm"]), norm=rng.choice(NORMS), rope=rng.choice(ROPES),
+        partial=rng.random() < 0.25, tables=rng.choice(["computed", "cache"]), eps=1e-6, base=10000.0,
+        flip_x=False, raw_k=rng.random() < 0.15, v_transposed=rng.random() < 0.3,
+    )  # fmt: skip
+    specs = [dict(spec) for _ in range(rng.choice([1, 2, 3]))]
+    if len(specs) > 1 and rng.random() < 0.5:
+        deviant = specs[rng.randrange(len(specs))]
+        field = rng.choice(["eps", "base", "flip_x", "rope", "norm", "partial"])
+        deviant[field] = {
+            "eps": 1e-5, "base": 500.0, "flip_x": True, "rope": rng.choice(ROPES), "norm": rng.choice(NORMS),
+            "partial": not spec["partial"],
+        }[field]  # fmt: skip
+    return dict(
+        specs=specs, shared_norm=rng.random() < 0.3, tokens=rng.choice([1, 3, 5]), batch=rng.choice([1, 2]),
+        dtype=rng.choice(["float32", "bfloat16"]), dynamic=rng.random() < 0.2,
+    )  # fmt: skip
+
+
+def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def check(seed: int) -> tuple[dict, fx_fusion.FusedKVPass, float, float]:
+    """Compile the draft of `seed` with FusedKVPass and with stock Inductor; returns (its description, the
+    pass, fx_fusion's worst relative error against eager, stock Inductor's). Shapes and dtypes must match."""
+    drawn = draw(seed)
+    dtype = getattr(torch, drawn["dtype"])
+    torch.manual_seed(seed)
+    draft = FuzzDraft(drawn["specs"], drawn["shared_norm"]).to(dtype).eval()
+    x = torch.randn(drawn["batch"], drawn["tokens"], HIDDEN, dtype=dtype)
+    positions = torch.arange(drawn["tokens"]) + 3
+    fused_kv_pass = fx_fusion.FusedKVPass()
+    errors = []
+    with torch.no_grad():
+        ref = draft(x, positions)
+        for options in ({"post_grad_custom_post_pass": fused_kv_pass}, {}):
+            torch._dynamo.reset()
+            if drawn["dynamic"]:
+                torch._dynamo.maybe_mark_dynamic(x, 1)
+                torch._dynamo.maybe_mark_dynamic(positions, 0)
+            got = torch.compile(draft, options=options)(x, positions)
+            assert [(g.shape, g.dtype) for g in got] == [(r.shape, r.dtype) for r in ref]
+            errors.append(max(_relative_error(g, r) for g, r in zip(got, ref)))
+    return drawn, fused_kv_pass, errors[0], errors[1]
+
+
+def within_tolerance(drawn: dict, error: float, stock_error: float) -> bool:
+    """fx_fusion's error no worse than float32 round-off or bfloat16 rounding, or twice stock Inductor's."""
+    tolerance = 2e-5 if drawn["dtype"] == "float32" else 1e-2
+    return error <= max(tolerance, 2 * stock_error)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--first", type=int, default=0)
+    parser.add_argument("--count", type=int, default=200)
+    args = parser.parse_args(argv)
+    bad = 0
+    for seed in range(args.first, args.first + args.count):
+        drawn, fused_kv_pass, error, stock_error = check(seed)
+        ok = within_tolerance(drawn, error, stock_error)
+        groups = [g.describe() for r in fused_kv_pass.records for g in r.fused_groups]
+        print(f"seed {seed}: {'ok' if ok else 'MISMATCH'} error {error:.1e} (stock {stock_error:.1e}) groups {groups} {drawn}", flush=True)
+        bad += not ok
+    print(f"{bad} of {args.count} drafts outside the tolerance")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
