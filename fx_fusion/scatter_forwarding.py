@@ -8,7 +8,8 @@ cuts of that scatter. Two exact identities turn these back into plain chains:
 - a cut of `slice_scatter(base, src, dim, start, end)` along `dim` over exactly [start, end) is `src`;
   over columns outside it, the same cut of `base`;
 - `reshape(reshape(x, a), b)` whose result has x's own shape is x (a reshape round trip), and the same
-  reshape of the same tensor spelled twice is one node (the views functionalisation regenerates).
+  reshape of the same tensor spelled twice is one node (the views functionalisation regenerates); so is
+  the same dtype cast of the same tensor (`x.float() * rsqrt(x.float().pow(2).mean(...))`: one upcast).
 
 Only equal values are substituted, so the graph computes the same as before whether or not a group is
 fused afterwards; what is left without readers is erased (a dead-code pass over the graph once a scatter
@@ -27,6 +28,7 @@ from .kv_patterns import erase_unused, is_call, static_shape, val
 from .values import RESHAPES
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 
 
 def _same_size(a, b) -> bool:
@@ -107,15 +109,24 @@ def forward_scattered_views(graph: torch.fx.Graph, rounds: int = 8) -> int:
     return len(bypassed)
 
 
+def _respelling_key(node: torch.fx.Node) -> Optional[tuple]:
+    """What makes two reshapes or dtype casts the same value: the op, its input and its arguments."""
+    if is_call(node, *RESHAPES) and isinstance(node.args[1], (list, tuple)):
+        return (node.target, node.args[0], tuple(node.args[1]))
+    if is_call(node, prims.convert_element_type.default) and not node.kwargs:
+        return (node.target, *node.args)
+    return None
+
+
 def _forward_once(graph: torch.fx.Graph) -> list[torch.fx.Node]:
-    replaced, reshapes = [], {}
+    replaced, respelled = [], {}
     for node in list(graph.nodes):
         if not node.users:  # already bypassed (dead code until the caller removes it)
             continue
-        if is_call(node, *RESHAPES) and isinstance(node.args[1], (list, tuple)):
-            key = (node.target, node.args[0], tuple(node.args[1]))
-            first = reshapes.setdefault(key, node)
-            if first is not node:  # the same reshape of the same tensor, spelled again: one node
+        key = _respelling_key(node)
+        if key is not None:
+            first = respelled.setdefault(key, node)
+            if first is not node:  # the same reshape or cast of the same tensor, spelled again: one node
                 node.replace_all_uses_with(first)
                 replaced.append(node)
                 continue

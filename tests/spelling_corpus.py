@@ -1398,6 +1398,58 @@ def build_internlm2(dtype):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# 22. OpenELM: qkv viewed as [B, T, q + k + v heads, D], transposed, split along the heads; its RMSNorm
+# `_norm(x.float()).type_as(x) * weight`, or as re-implementations write it with `x.float()` twice (one
+# cast each time in the graph); a float32 RoPE (`k.float() * cos`) with cos/sin sliced from cached
+# [1, 1, max_pos, D] tables. apple/OpenELM modeling_openelm.py (OpenELMRMSNorm, OpenELMRotaryEmbedding,
+# OpenELMMultiHeadCausalAttention.forward)
+
+
+class OpenELMRMSNorm(nn.Module):
+    def __init__(self, dim: int, double_upcast: bool):
+        super().__init__()
+        self.weight, self.eps, self.double_upcast = nn.Parameter(torch.rand(dim) + 0.5), EPS, double_upcast
+
+    def forward(self, x):
+        if self.double_upcast:
+            output = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        else:
+            h = x.float()
+            output = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return output.type_as(x) * self.weight
+
+
+class OpenELMContext(nn.Module):
+    def __init__(self, double_upcast: bool):
+        super().__init__()
+        self.num_q_heads = 2 * KV_HEADS
+        self.qkv_proj = nn.ModuleList(
+            nn.Linear(HIDDEN, (self.num_q_heads + 2 * KV_HEADS) * HEAD_DIM, bias=False) for _ in range(N_LAYERS)
+        )
+        self.k_norm = nn.ModuleList(OpenELMRMSNorm(HEAD_DIM, double_upcast) for _ in range(N_LAYERS))
+
+    def forward(self, hidden_states, cos_cached, sin_cached):
+        bsz, seq_len, _ = hidden_states.shape
+        outs = []
+        for qkv_proj, k_norm in zip(self.qkv_proj, self.k_norm):
+            qkv = qkv_proj(hidden_states).view(bsz, seq_len, self.num_q_heads + 2 * KV_HEADS, HEAD_DIM)
+            _, keys, values = qkv.transpose(1, 2).split([self.num_q_heads, KV_HEADS, KV_HEADS], dim=1)
+            keys = k_norm(keys)
+            cos, sin = cos_cached[:, :, :seq_len, :], sin_cached[:, :, :seq_len, :]
+            x1, x2 = keys.float().chunk(2, dim=-1)
+            keys = ((keys.float() * cos) + (torch.cat((-x2, x1), dim=-1) * sin)).type_as(keys)
+            outs += [keys, values]
+        return tuple(outs)
+
+
+def build_openelm(dtype, double_upcast):
+    torch.manual_seed(0)
+    freqs = torch.einsum("i,j->ij", torch.arange(MAX_POS, dtype=torch.float32), _inv_freq(HEAD_DIM))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return _finish(OpenELMContext(double_upcast), dtype, _hidden(), emb.cos()[None, None], emb.sin()[None, None])
+
+
+# ----------------------------------------------------------------------------------------------------------
 # The corpus
 
 _p = functools.partial
@@ -1533,6 +1585,12 @@ CASES: list[Case] = [
     Case("qwen_v1_unbind_rotate_half", "QwenLM/Qwen modeling_qwen.py (c_attn split, rearrange + unbind rotate_half)", _p(build_qwen_v1)),
     Case("chatglm_sequence_first_pairs", "THUDM/ChatGLM3 modeling_chatglm.py (apply_rotary_pos_emb, SelfAttention)", _p(build_chatglm)),
     Case("internlm2_grouped_wqkv", "InternLM/InternLM modeling_internlm2.py (InternLM2Attention.forward)", _p(build_internlm2)),
+    Case("openelm_heads_split", "apple/OpenELM modeling_openelm.py (qkv split along heads, float32 RoPE)", _p(build_openelm, double_upcast=False)),
+    Case(
+        "openelm_double_upcast_norm",
+        "apple/OpenELM modeling_openelm.py, its RMSNorm re-implemented with x.float() twice",
+        _p(build_openelm, double_upcast=True),
+    ),
 ]
 
 
