@@ -63,12 +63,21 @@ class _Stop(Exception):
     """This node cannot be computed piece by piece."""
 
 
-def _projection_rows(piece: torch.fx.Node) -> bool:
-    """Whether `piece` is a projection's output reshaped (its rows split into leading dims)."""
+def _projection_of(piece: torch.fx.Node) -> Optional[torch.fx.Node]:
+    """The projection whose output `piece` is, reshaped (its rows split into leading dims), else None."""
     node = piece
     while is_call(node, *RESHAPES):
         node = node.args[0]
-    return is_call(node, *PROJECTION_OPS)
+    return node if is_call(node, *PROJECTION_OPS) else None
+
+
+def _token_axis_cat(node: torch.fx.Node) -> Optional[int]:
+    """The dim of a cat of two or more pieces along a dim other than the last (a token axis), else None."""
+    if not is_call(node, aten.cat.default) or len(node.args[0]) < 2:
+        return None
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    rank = val(node).dim()
+    return None if dim % rank == rank - 1 else dim % rank
 
 
 def _static(node: torch.fx.Node) -> Optional[list[int]]:
@@ -204,35 +213,19 @@ class _Pusher:
 
 
 def _join_cat(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int]]:
-    """(cat, dim) for a cat of projection outputs along a dim other than the last (a token axis)."""
-    if not is_call(node, aten.cat.default):
+    """(cat, dim) for a cat of projection outputs at fixed sizes along a token axis."""
+    dim = _token_axis_cat(node)
+    pieces = node.args[0] if dim is not None else []
+    if dim is None or _static(node) is None or not all(_static(p) is not None for p in pieces):
         return None
-    pieces = node.args[0]
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    rank = val(node).dim()
-    if len(pieces) < 2 or dim % rank == rank - 1 or _static(node) is None:
-        return None
-    if not any(_projection_rows(p) for p in pieces) or not all(_static(p) is not None for p in pieces):
-        return None
-    return node, dim % rank
+    return (node, dim) if any(_projection_of(p) is not None for p in pieces) else None
 
 
 def unsplit_projections(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     """Projections whose rows a cat along a token axis of symbolic length joins with others: left whole
     (pieces are cut at fixed row bounds), so their K branches start at the cat."""
-    found = set()
-    for node in graph.nodes:
-        if not is_call(node, aten.cat.default) or _static(node) is not None or len(node.args[0]) < 2:
-            continue
-        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-        if dim % val(node).dim() == val(node).dim() - 1:
-            continue
-        for piece in node.args[0]:
-            while is_call(piece, *RESHAPES):
-                piece = piece.args[0]
-            if is_call(piece, *PROJECTION_OPS):
-                found.add(piece)
-    return found
+    cats = [n for n in graph.nodes if _token_axis_cat(n) is not None and _static(n) is None]
+    return {p for cat in cats for p in map(_projection_of, cat.args[0]) if p is not None}
 
 
 def push_token_cats(graph: torch.fx.Graph) -> int:
