@@ -55,6 +55,7 @@ validation lives in `ops.py`.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -81,9 +82,7 @@ def _fused_kv_materialize_kernel(
     sin_ptr,
     positions_ptr,
     num_rows,
-    num_kv_heads,
     cache_rows,
-    eps_value,
     stride_k_token,
     stride_k_layer,
     stride_k_head,
@@ -115,6 +114,7 @@ def _fused_kv_materialize_kernel(
     slots_per_batch,
     stride_ko_batch,
     stride_vo_batch,
+    NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     ROTARY_DIM: tl.constexpr,
     HALF_PAD: tl.constexpr,
@@ -123,6 +123,7 @@ def _fused_kv_materialize_kernel(
     BLOCK_ROWS: tl.constexpr,
     HAS_NORM: tl.constexpr,
     HAS_EPS_TENSOR: tl.constexpr,
+    EPS: tl.constexpr,
     USE_POSITIONS: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     COPY_V: tl.constexpr,
@@ -144,8 +145,8 @@ def _fused_kv_materialize_kernel(
     kv_dtype = k_proj_ptr.dtype.element_ty  # round() rounds to it; outputs may be narrower (FP8 caches)
     layer = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    tokens = (rows // num_kv_heads).to(tl.int64)
-    heads = (rows % num_kv_heads).to(tl.int64)
+    tokens = (rows // NUM_KV_HEADS).to(tl.int64)
+    heads = (rows % NUM_KV_HEADS).to(tl.int64)
     k_rows = tokens * stride_k_token + layer * stride_k_layer + heads * stride_k_head
 
     # Outputs: one stacked tensor per K and V (layer strides), or one buffer per layer (a cache each, among
@@ -165,10 +166,8 @@ def _fused_kv_materialize_kernel(
         row_mask = row_mask & (slots >= 0) & (slots < num_slots)
         batch = slots // slots_per_batch
         k_out_tokens = batch * stride_ko_batch + (slots % slots_per_batch) * stride_ko_token
-        v_out_tokens = batch * stride_vo_batch + (slots % slots_per_batch) * stride_vo_token
     else:
         k_out_tokens = tokens * stride_ko_token
-        v_out_tokens = tokens * stride_vo_token
     k_out_rows = layer * stride_ko_layer + k_out_tokens + heads * stride_ko_head
     # Unscaled, K is rounded to kv's dtype (the output's); scaled, k / k_scale is computed from the float32
     # K and converted once to the output's dtype (an FP8 cache), as Inductor computes `(k / scale).to(fp8)`.
@@ -212,7 +211,7 @@ def _fused_kv_materialize_kernel(
         if HAS_EPS_TENSOR:
             eps = tl.load(eps_ptr + layer * stride_eps).to(tl.float32)
         else:
-            eps = eps_value
+            eps = EPS
         inv_rms = tl.rsqrt(sum_sq / HEAD_DIM + eps)[:, None]
         weight_row = norm_weight_ptr + layer * stride_weight_layer
         # round(round(x * inv_rms) * w), the two roundings of `weight * hidden.to(input_dtype)`, or with
@@ -292,6 +291,10 @@ def _fused_kv_materialize_kernel(
         dims = tl.arange(0, HEAD_PAD)
         v_mask = row_mask[:, None] & (dims < HEAD_DIM)[None, :]
         v_rows = tokens * stride_v_token + layer * stride_v_layer + heads * stride_v_head
+        if USE_SLOTS:
+            v_out_tokens = batch * stride_vo_batch + (slots % slots_per_batch) * stride_vo_token
+        else:
+            v_out_tokens = tokens * stride_vo_token
         v_out_rows = layer * stride_vo_layer + v_out_tokens + heads * stride_vo_head
         v = tl.load(v_proj_ptr + v_rows[:, None] + dims[None, :] * stride_v_elem, mask=v_mask)
         if V_SCALED:
@@ -321,6 +324,30 @@ def _interpretable_tl_sum():
         yield
     finally:
         tl.sum = compiled_sum
+
+
+# The kernel's runtime (non-constexpr) parameters, in order.
+_KERNEL_ARG_NAMES = tuple(
+    name
+    for name, parameter in inspect.signature(_fused_kv_materialize_kernel).parameters.items()
+    if parameter.annotation not in (tl.constexpr, "tl.constexpr")
+)
+
+
+def _named(prefix: str, suffixes: Sequence, values: Sequence) -> dict:
+    """{prefix + suffix: value}: a group of the kernel's arguments (strides, per-layer pointers) by name."""
+    return {f"{prefix}{suffix}": value for suffix, value in zip(suffixes, values, strict=True)}
+
+
+def _in_kernel_order(args: dict) -> list:
+    """The kernel's runtime arguments in order, None for each one the launch does not read: a constexpr
+    None, which the launchers skip (an output slot past the layer count; the cache's slots, scales and
+    strides without a cache write; V's without a copy; the norm's without a norm; the per-token tables'
+    with a cos/sin cache, the cache's without one)."""
+    unknown = set(args) - set(_KERNEL_ARG_NAMES)
+    if unknown:
+        raise AssertionError(f"not arguments of the kernel: {sorted(unknown)}")
+    return [args.get(name) for name in _KERNEL_ARG_NAMES]
 
 
 def head_strides(proj: torch.Tensor, head_dim: int) -> tuple[int, int, int, int]:
@@ -451,15 +478,19 @@ def launch_fused_kv_materialize(
     block_rows = block_rows or default_rows
     copy_v = v_proj is not None
     use_positions = positions is not None
+    has_norm = norm_weight is not None
+    has_eps_tensor = has_norm and eps is not None
     meta = dict(
+        NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         ROTARY_DIM=rotary_dim,
         HALF_PAD=triton.next_power_of_2(rotary_dim // 2),
         PASS_PAD=triton.next_power_of_2(head_dim - rotary_dim) if head_dim > rotary_dim else 0,
         HEAD_PAD=triton.next_power_of_2(head_dim),
         BLOCK_ROWS=block_rows,
-        HAS_NORM=norm_weight is not None,
-        HAS_EPS_TENSOR=eps is not None,
+        HAS_NORM=has_norm,
+        HAS_EPS_TENSOR=has_eps_tensor,
+        EPS=float(eps_value) if has_norm and not has_eps_tensor else 0.0,
         USE_POSITIONS=use_positions,
         INTERLEAVED=interleaved,
         COPY_V=copy_v,
@@ -481,38 +512,43 @@ def launch_fused_kv_materialize(
     def launch(first: int, count: int, k_outs: list, v_outs: list, out_strides: tuple, slot_args: tuple) -> None:
         layers = slice(first, first + count)
         per_layer_cos = cos.dim() == 3 and not use_positions
-        # Pointers the launch does not read (output slots past the count, the cache slots and scales
-        # without a cache write, V without a copy, the norm's without a norm, sin with a cos/sin cache) are
-        # None: constexprs, which the launchers skip instead of passing a stand-in tensor.
-        args = (
-            k_proj[:, layers],
-            v_proj[:, layers] if copy_v else None,
-            *k_outs, *[None] * (MAX_CACHES_PER_LAUNCH - len(k_outs)),
-            *v_outs, *[None] * (MAX_CACHES_PER_LAUNCH - len(v_outs)),
-            cache.slots if cache is not None else None,
-            cache.k_scale if meta["K_SCALED"] else None,
-            cache.v_scale if meta["V_SCALED"] else None,
-            norm_weight[layers] if norm_weight is not None else None,
-            eps[layers] if eps is not None else None,
-            cos[layers] if per_layer_cos else cos,
-            None if use_positions else sin[layers] if per_layer_cos else sin,
-            positions if use_positions else None,
-            num_rows,
-            num_kv_heads,
-            cos.shape[0] if use_positions else 0,
-            float(eps_value),
-            *head_strides(k_proj, head_dim),
-            *head_strides(v_proj if copy_v else k_proj, head_dim),
-            *out_strides,
-            *(norm_weight.stride() if norm_weight is not None else (0, 0)),
-            eps.stride(0) if eps is not None else 0,
-            *_table_strides(cos),
-            *_table_strides(cos if use_positions else sin),
-            positions.stride(0) if use_positions else 0,
-            *slot_args,
-        )  # fmt: skip
+        args = dict(
+            k_proj_ptr=k_proj[:, layers],
+            num_rows=num_rows,
+            **_named("stride_k_", ("token", "layer", "head", "elem"), head_strides(k_proj, head_dim)),
+            **_named("k_out", ["_ptr", *range(1, len(k_outs))], k_outs),
+            **_named("stride_ko_", ("layer", "token", "head", "dim"), out_strides[:4]),
+            cos_ptr=cos[layers] if per_layer_cos else cos,
+            **_named("stride_cos_", ("layer", "row", "dim"), _table_strides(cos)),
+        )
+        if copy_v:
+            args.update(v_proj_ptr=v_proj[:, layers])
+            args.update(_named("stride_v_", ("token", "layer", "head", "elem"), head_strides(v_proj, head_dim)))
+            args.update(_named("v_out", ["_ptr", *range(1, len(v_outs))], v_outs))
+            args.update(_named("stride_vo_", ("layer", "token", "head", "dim"), out_strides[4:]))
+        if has_norm:
+            args.update(norm_weight_ptr=norm_weight[layers])
+            args.update(_named("stride_weight_", ("layer", "dim"), norm_weight.stride()))
+        if has_eps_tensor:
+            args.update(eps_ptr=eps[layers], stride_eps=eps.stride(0))
+        if use_positions:
+            args.update(positions_ptr=positions, stride_positions=positions.stride(0), cache_rows=cos.shape[0])
+            del args["stride_cos_layer"]
+        else:
+            args.update(sin_ptr=sin[layers] if per_layer_cos else sin)
+            args.update(_named("stride_sin_", ("layer", "row", "dim"), _table_strides(sin)))
+        if cache is not None:
+            stride_slots, num_slots, slots_per_batch, stride_ko_batch, stride_vo_batch = slot_args
+            args.update(slots_ptr=cache.slots, stride_slots=stride_slots, num_slots=num_slots)
+            args.update(slots_per_batch=slots_per_batch, stride_ko_batch=stride_ko_batch)
+            if copy_v:
+                args.update(stride_vo_batch=stride_vo_batch)
+            if meta["K_SCALED"]:
+                args.update(k_scale_ptr=cache.k_scale)
+            if meta["V_SCALED"]:
+                args.update(v_scale_ptr=cache.v_scale)
         grid = (triton.cdiv(num_rows, block_rows), count)
-        kernel[grid](*args, **meta, NUM_OUT_BUFFERS=len(k_outs))
+        kernel[grid](*_in_kernel_order(args), **meta, NUM_OUT_BUFFERS=len(k_outs))
 
     with contextlib.ExitStack() as stack:
         if interpret:

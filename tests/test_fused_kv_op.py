@@ -1227,6 +1227,63 @@ def _drop_in_call(kv, weight, eps, cache, positions):
     return fused_norm_rope_stacked(kv, weight, eps, cache, positions, 2, 64, 64)
 
 
+_EVERY_LAUNCH_READS = {"k_proj_ptr", "k_out_ptr", "cos_ptr", "num_rows"} | {
+    f"stride_{group}_{axis}"
+    for group, axes in (("k", ("token", "layer", "head", "elem")), ("ko", ("layer", "token", "head", "dim")))
+    for axis in axes
+} | {"stride_cos_row", "stride_cos_dim"}
+_PER_TOKEN_TABLES = {"stride_cos_layer", "sin_ptr", "stride_sin_layer", "stride_sin_row", "stride_sin_dim"}
+_V_COPY = {"v_proj_ptr", "v_out_ptr"} | {f"stride_v_{a}" for a in ("token", "layer", "head", "elem")} | {
+    f"stride_vo_{a}" for a in ("layer", "token", "head", "dim")
+}
+
+
+@pytest.mark.parametrize(
+    "case, with_v, expected",
+    [
+        (Case(norm=None, rope="per_token"), False, _EVERY_LAUNCH_READS | _PER_TOKEN_TABLES),
+        (
+            Case(norm="stacked", eps_tensor=False, rope="per_token"),
+            False,
+            _EVERY_LAUNCH_READS | _PER_TOKEN_TABLES | {"norm_weight_ptr", "stride_weight_layer", "stride_weight_dim"},
+        ),
+        (
+            Case(norm="stacked", eps_tensor=True, rope="cache"),
+            True,
+            _EVERY_LAUNCH_READS | _V_COPY | {"norm_weight_ptr", "stride_weight_layer", "stride_weight_dim"}
+            | {"eps_ptr", "stride_eps", "positions_ptr", "stride_positions", "cache_rows"},
+        ),
+    ],
+    ids=["llama-k", "qwen3-k", "cache-kv"],
+)
+def test_launch_passes_only_what_it_reads(case: Case, with_v: bool, expected: set, monkeypatch) -> None:
+    """Each launch passes the kernel only the runtime arguments its constexpr flags read; every other one is
+    None (a constexpr the launchers skip: each argument costs host time on every call). The kernel's results
+    with those Nones are checked by every numeric test here."""
+    from fx_fusion.kernels import fused_kv_materialize as materialize
+
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launches.append(args)
+
+    monkeypatch.setattr(materialize, "fused_kv_materialize_kernel_interpreted", Recorder())
+    inputs = make_inputs(case)
+    norm_weight = inputs.k_norm_weight[0] if inputs.k_norm_weight else None
+    L, T, H, D = case.n_layers, case.total_ctx, case.num_kv_heads, case.head_dim
+    k_out, v_out = torch.empty(L, T, H, D, dtype=case.dtype), torch.empty(L, T, H, D, dtype=case.dtype)
+    materialize.launch_fused_kv_materialize(
+        inputs.k_proj(case), inputs.v_proj(case) if with_v else None, norm_weight, inputs.eps, inputs.eps_value,
+        inputs.cos, inputs.sin, inputs.positions, k_out, v_out if with_v else None, H, D, case.rot,
+        case.interleaved, case.norm_weight_offset, case.norm_weight_in_float32, case.norm_round_before_rope,
+        interpret=True,
+    )  # fmt: skip
+    (args,) = launches
+    passed = {name for name, value in zip(materialize._KERNEL_ARG_NAMES, args, strict=True) if value is not None}
+    assert passed == expected
+
+
 def test_compile_fullgraph_matches_eager(device: str) -> None:
     """fullgraph=True also proves the eager-only positions check (a host sync) is skipped while tracing."""
     torch._dynamo.reset()
