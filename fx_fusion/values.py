@@ -1,7 +1,9 @@
 """Value identity of graph nodes: two nodes with equal keys compute equal tensors.
 
 A key is the node's op applied to the keys of its arguments, down to graph inputs, which are compared by
-identity (two different parameters may hold different values). A post-grad graph is not always CSE'd, so
+identity (two different parameters may hold different values), as are the results of random ops and
+uninitialised allocations (two `torch.rand` calls, two `torch.empty`: one spelling, different values).
+A post-grad graph is not always CSE'd, so
 the same slice or gather spelled twice gets one key; a permuted, sliced or shuffled view of a tensor gets
 a different key from the tensor itself, however similar the two look.
 """
@@ -58,7 +60,7 @@ class ValueKeys:
     def _fill(self, node: torch.fx.Node) -> None:
         """Key `node` and its unkeyed ancestors, inputs first."""
         for current in _inputs_first(node, self._memo):
-            if current.op == "call_function":
+            if current.op == "call_function" and not _unique_value(current):
                 expression = (current.target, self(current.args), self(current.kwargs))
                 self._memo[current] = self._numbers.setdefault(expression, ("value", len(self._numbers)))
             else:
@@ -76,6 +78,15 @@ class ValueKeys:
                     mask |= self._input_masks[a]
             self._input_masks[current] = mask
         return self._input_masks[node]
+
+
+_UNINITIALISED = frozenset({aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default})
+
+
+def _unique_value(node: torch.fx.Node) -> bool:
+    """A value no other node computes however it is spelled: a random draw or an uninitialised buffer."""
+    tags = getattr(node.target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags or node.target in _UNINITIALISED
 
 
 def _inputs_first(node: torch.fx.Node, done: dict):

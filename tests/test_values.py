@@ -57,3 +57,17 @@ def test_input_masks_in_deep_graphs():
     _, chain = _graph_reading_each_value_twice(5000)  # iterative: no recursion limit
     keys = ValueKeys()
     assert keys.input_mask(chain[-1]) == keys.input_mask(chain[0]) == 1
+
+
+def test_random_draws_and_uninitialised_buffers_are_never_equal():
+    """Two `torch.rand` calls (or two `torch.empty`) are spelled alike but hold different values."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    draws = [graph.call_function(torch.ops.aten.rand.default, ([4, 8],)) for _ in range(2)]
+    like = [graph.call_function(torch.ops.aten.randn_like.default, (x,)) for _ in range(2)]
+    empty = [graph.call_function(torch.ops.aten.empty.memory_format, ([4, 8],)) for _ in range(2)]
+    cos = [graph.call_function(torch.ops.aten.cos.default, (d,)) for d in draws]
+    keys = ValueKeys()
+    for a, b in (draws, like, empty, cos):
+        assert keys(a) != keys(b)
+        assert keys(a) == keys(a)
