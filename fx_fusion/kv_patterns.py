@@ -259,16 +259,19 @@ def is_unit_scale(node) -> bool:
     return any(isinstance(a, (int, float)) and not isinstance(a, bool) and a == 1 for a in node.args)
 
 
-def follow_layout(node: torch.fx.Node, ops=K_LAYOUT_OPS) -> tuple[list[torch.fx.Node], torch.fx.Node]:
+def follow_layout(
+    node: torch.fx.Node, ops=K_LAYOUT_OPS, side_readers: bool = False
+) -> tuple[list[torch.fx.Node], torch.fx.Node]:
     """Walk forward through single-user layout ops (`ops`) and `x * 1`; return them and the last node
-    reached."""
+    reached. With `side_readers`, also through a node that other ops read too (the raw K returned or kept
+    beside its norm and RoPE) when exactly one of its users is such a layout op."""
     chain = []
-    while len(node.users) == 1:
-        (user,) = node.users
-        if not (is_call(user, *ops) or is_unit_scale(user)) or user.args[0] is not node:
+    while node.users:
+        steps = [u for u in node.users if (is_call(u, *ops) or is_unit_scale(u)) and u.args[0] is node]
+        if len(steps) != 1 or (len(node.users) > 1 and not side_readers):
             break
-        chain.append(user)
-        node = user
+        chain.append(steps[0])
+        node = steps[0]
     return chain, node
 
 
@@ -325,9 +328,11 @@ def starts_norm_op(node) -> bool:
     ) or (is_call(node, aten.mul.Tensor) and node.args[0] is node.args[1])
 
 
-def _match_inverse_rms(upcast: torch.fx.Node, rank: int) -> tuple[torch.fx.Node, Union[float, torch.fx.Node]]:
+def _match_inverse_rms(
+    upcast: torch.fx.Node, rank: int, side_readers: bool = False
+) -> tuple[torch.fx.Node, Union[float, torch.fx.Node]]:
     """Match x * rsqrt(mean(x^2, -1) + eps) (or x / sqrt(..), x * (1 / sqrt(..))) on `upcast`; return the
-    normalised node and eps."""
+    normalised node and eps. `side_readers`: upcast may have readers besides those two."""
     upcast_users = list(upcast.users)
     if any(is_call(u, aten.var_mean.correction, aten.var.correction, aten.sub.Tensor) for u in upcast_users):
         raise NoMatch("K norm subtracts the mean (LayerNorm), not an RMSNorm")
@@ -337,7 +342,7 @@ def _match_inverse_rms(upcast: torch.fx.Node, rank: int) -> tuple[torch.fx.Node,
         if (is_call(u, aten.pow.Tensor_Scalar) and u.args[0] is upcast)
         or (is_call(u, aten.mul.Tensor) and u.args[0] is upcast and u.args[1] is upcast)
     ]
-    if len(squares) != 1 or len(upcast_users) != 2:
+    if len(squares) != 1 or (len(upcast_users) != 2 and not side_readers):
         raise NoMatch("K norm is not x * rsqrt(mean(x^2) + eps)")
     square = squares[0]
     if is_call(square, aten.pow.Tensor_Scalar) and square.args[1] != 2:
@@ -425,7 +430,7 @@ def _weightless(after: torch.fx.Node, normed: torch.fx.Node) -> bool:
     return False
 
 
-def match_rms_norm(x: torch.fx.Node) -> RMSNorm:
+def match_rms_norm(x: torch.fx.Node, side_readers: bool = False) -> RMSNorm:
     """Match a per-head RMSNorm starting at x, in any of its common forms:
 
     weight * (x.float() * rsqrt(mean(x.float()^2, -1, keepdim) + eps)).to(x.dtype)     Hugging Face
@@ -434,7 +439,8 @@ def match_rms_norm(x: torch.fx.Node) -> RMSNorm:
     x * rsqrt(...) * weight                                                            no upcast / float32
     with x / sqrt(...) or x * (1 / sqrt(...)) for x * rsqrt(...), eps added either way round; and without
     a weight (`F.rms_norm(x, (D,))`, modded-nanogpt), where the normalised K is the norm's output (weight
-    None: the fused op then scales by ones).
+    None: the fused op then scales by ones). With `side_readers`, x may have readers besides the norm (its
+    one float32 upcast, then): they read the raw K, which the rewrite leaves to them.
     """
     in_dtype = val(x).dtype
     width = static_shape(x)[-1]
@@ -443,10 +449,10 @@ def match_rms_norm(x: torch.fx.Node) -> RMSNorm:
     if in_dtype != FLOAT32:
         casts = [u for u in x.users if _is_cast(u, FLOAT32)]
         if casts:
-            if len(x.users) != 1:
+            if len(x.users) != 1 and not (side_readers and len(casts) == 1):
                 raise NoMatch("K norm input has other users besides its float32 upcast")
             upcast = casts[0]
-    normed, eps = _match_inverse_rms(upcast, rank)
+    normed, eps = _match_inverse_rms(upcast, rank, side_readers and upcast is x)
     weightless = RMSNorm(out=normed, weight=None, weight_shape=[], eps=eps, width=width)
     # no weight, the float32 result feeding the RoPE (F.rms_norm then a float32 RoPE, once Inductor has
     # dropped the round trip to the input dtype between them); the op's ones then scale in float32
@@ -697,14 +703,14 @@ def _check_norm_input(at_norm: torch.Tensor, layout_at, norm: RMSNorm, n_layers:
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _rotation_after(start: torch.fx.Node, required: bool, same_value: Optional[ValueKeys] = None):
+def _rotation_after(start: torch.fx.Node, required: bool, same_value: Optional[ValueKeys] = None, side_readers: bool = False):
     """The rotary embedding applied at the end of, or part way along, the layout chain after `start`.
 
     Returns (layout ops up to the rotation's input, that input, the Rotation). A chain may go on past the
     rotation's input (`x.reshape(..., -1, 2)` in a pair-wise rotary); the furthest point that is rotated
     wins. Raises NoMatch, or NotKBranch when nothing looks like K (not `required`, no mul/slice after).
     """
-    chain, _ = follow_layout(start)
+    chain, _ = follow_layout(start, side_readers=side_readers)
     points = [start] + chain
     reasons = []
     for end in range(len(points), 0, -1):
@@ -764,7 +770,29 @@ def _refuse_scaled_rotation(end: torch.fx.Node, same_value: Optional[ValueKeys])
 
 def match_k_branch(projection: Projection, source: "BranchSource", same_value: Optional[ValueKeys] = None) -> KBranch:
     """Match source -> layout -> [RMSNorm] -> layout -> rotary. Raises NoMatch with a reason.
-    `same_value`: the caller's ValueKeys, shared so that keys are computed once per graph."""
+    `same_value`: the caller's ValueKeys, shared so that keys are computed once per graph.
+
+    A branch whose raw K other ops read too (returned, or kept for something else, before the norm and
+    RoPE) is matched by a second walk that passes such readers by: after the rewrite they read the same
+    values from the grouped projection's columns, and only the norm/RoPE output is replaced."""
+    try:
+        return _match_k_branch(projection, source, same_value, side_readers=False)
+    except NoMatch as first:
+        if not _read_beside_the_branch(source.node):
+            raise
+        try:
+            return _match_k_branch(projection, source, same_value, side_readers=True)
+        except NotKBranch:  # nothing K-like past the readers either: the first walk's reason stands
+            raise first from None
+
+
+def _read_beside_the_branch(node: torch.fx.Node) -> bool:
+    """Does a node of node's layout chain have several readers (so a walk past them could go further)?"""
+    chain, _ = follow_layout(node, side_readers=True)
+    return any(len(n.users) > 1 for n in [node, *chain])
+
+
+def _match_k_branch(projection: Projection, source: "BranchSource", same_value: Optional[ValueKeys], side_readers: bool) -> KBranch:
     features = static_shape(source.node)[-1]
     if source.group_view is not None:
         features *= static_shape(source.group_view)[-2]
@@ -772,18 +800,18 @@ def match_k_branch(projection: Projection, source: "BranchSource", same_value: O
         features *= static_shape(source.node)[-2]
     elif source.chain is not None:
         features *= source.n_heads
-    layout_before, node = follow_layout(source.node)
+    layout_before, node = follow_layout(source.node, side_readers=side_readers)
     norm = None
     if starts_norm(node):
         try:
-            norm = match_rms_norm(node)
+            norm = match_rms_norm(node, side_readers)
         except NoMatch as reason:
             if not _rotated_downstream(node, same_value):  # nothing K-like: say what it lacks
                 raise NotKBranch(rotary_action.NO_ROTATION) from reason
             raise
         layout_after, node, rotary = _rotation_after(norm.out, required=True, same_value=same_value)
     else:
-        layout_before, node, rotary = _rotation_after(source.node, required=False, same_value=same_value)
+        layout_before, node, rotary = _rotation_after(source.node, False, same_value, side_readers)
         layout_after = []
     dtype = val(projection.node).dtype
     if dtype not in SUPPORTED_DTYPES:
