@@ -301,12 +301,6 @@ def _find_candidates(graph: torch.fx.Graph, record: PassRecord, same_value: Valu
     return by_input.values()
 
 
-UNSPLIT_TOKEN_CAT = (
-    "joined along tokens with other rows (a cat of symbolic length) before its norm and RoPE; such a cat is "
-    "split into its pieces at fixed lengths only"
-)
-
-
 def fuse_kv_groups(graph: torch.fx.Graph, min_layers: int = 1, stack_weights_in_graph: bool = False) -> PassRecord:
     """Find, group and rewrite (module docstring). `stack_weights_in_graph`: spell the grouped GEMM as one
     mm over `cat(weights)` in the graph, for Inductor freezing to fold into one constant (no op call)."""
@@ -317,12 +311,8 @@ def fuse_kv_groups(graph: torch.fx.Graph, min_layers: int = 1, stack_weights_in_
     scatter_forwarding.forward_scattered_views(graph)
     if token_cats.push_token_cats(graph):
         graph.eliminate_dead_code()
-    unsplit = token_cats.unsplit_projections(graph)
     same_value = ValueKeys()
     for entry in _find_candidates(graph, record, same_value):
-        for projection in entry["projections"]:
-            if projection.node in unsplit:
-                entry["not_k"][projection.node] = UNSPLIT_TOKEN_CAT
         branches: list[KBranch] = entry["branches"]
         fused_projections = set()
         keyed = collections.defaultdict(list)
@@ -820,10 +810,7 @@ def _size_args(graph: torch.fx.Graph, sizes: list) -> list:
     """`sizes` as a reshape's size arguments: a number as it is, a symbolic size as the graph input that
     holds its symbol (dynamo passes each free symbol of a dynamic shape as an input), one other as -1;
     NoMatch when more are left (the reshape could not be spelled)."""
-    symbols = {}
-    for node in graph.find_nodes(op="placeholder"):
-        if isinstance(val(node), torch.SymInt):
-            symbols.setdefault(val(node).node.expr, node)
+    symbols = kv_patterns.symbol_inputs(graph)
     args = [size if isinstance(size, int) else symbols.get(size.node.expr, -1) for size in sizes]
     if args.count(-1) > 1:
         raise NoMatch("a strided K piece has token axes of symbolic sizes that are not graph inputs")

@@ -1207,6 +1207,16 @@ def depends_on(inputs: list[torch.fx.Node], forbidden: set) -> bool:
     return False
 
 
+def symbol_inputs(graph: torch.fx.Graph) -> dict:
+    """{sympy symbol: the graph input holding it}: dynamo passes each free symbol of a dynamic shape as an
+    input, so a symbolic size can be spelled without reading the tensor it describes."""
+    symbols = {}
+    for node in graph.find_nodes(op="placeholder"):
+        if isinstance(val(node), torch.SymInt):
+            symbols.setdefault(val(node).node.expr, node)
+    return symbols
+
+
 def erase_unused(nodes: list[torch.fx.Node]) -> None:
     """Erase each of `nodes` that nothing reads and that has no effect, then what only those read, and so on:
     what a rewrite replaced, without a dead-code pass over the whole graph."""

@@ -16,7 +16,8 @@ along the axis), casts, copies, reductions over other dims, permutes, unsqueezes
 dim up to the axis, and cuts and cats along other dims. Each new node's shape is checked against the
 original's with the axis resized; anything else stops the region, and its users get the pieces
 concatenated back. All of it is exact (the same elements through the same ops); a region that cannot be
-pushed is left as it was.
+pushed is left as it was. Piece lengths may be symbolic (a dynamic token count): the rows of a piece are
+then cut and sized by the graph's own size nodes, and shapes are compared as expressions.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from typing import Optional
 
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .kv_patterns import PROJECTION_OPS, is_call, static_shape, val
+from . import kv_patterns
+from .kv_patterns import PROJECTION_OPS, is_call, val
 from .values import RESHAPES
 
 aten = torch.ops.aten
@@ -80,11 +83,22 @@ def _token_axis_cat(node: torch.fx.Node) -> Optional[int]:
     return None if dim % rank == rank - 1 else dim % rank
 
 
-def _static(node: torch.fx.Node) -> Optional[list[int]]:
+def _shape(node: torch.fx.Node) -> Optional[list]:
+    """The node's sizes, ints or symbolic (None for a non-tensor)."""
     value = val(node)
-    if not isinstance(value, torch.Tensor) or not all(isinstance(s, int) for s in value.shape):
-        return None
-    return list(value.shape)
+    return list(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _as_int(size):
+    """A size as an int when it is one, symbolic or not (`(s0 + 4) - s0` is 4)."""
+    if isinstance(size, torch.SymInt) and size.node.expr.is_number:
+        return int(size.node.expr)
+    return size
+
+
+def _same(a, b) -> bool:
+    """Are two sizes (ints or symbolic) known to be equal?"""
+    return statically_known_true(a == b)
 
 
 class _Pusher:
@@ -92,11 +106,35 @@ class _Pusher:
 
     def __init__(self, graph: torch.fx.Graph, cat: torch.fx.Node, dim: int):
         self.graph, self.cat = graph, cat
-        lengths = [static_shape(p)[dim] for p in cat.args[0]]
-        self.bounds = [(sum(lengths[:i]), sum(lengths[: i + 1])) for i in range(len(lengths))]
+        lengths = [val(p).shape[dim] for p in cat.args[0]]  # ints or symbolic sizes
+        self.bounds = [(_as_int(sum(lengths[:i])), _as_int(sum(lengths[: i + 1]))) for i in range(len(lengths))]
+        self.total = self.bounds[-1][1]
         self.pieces: dict[torch.fx.Node, list] = {cat: list(cat.args[0])}
         self.axis: dict[torch.fx.Node, int] = {cat: dim}
+        self.dim = dim
         self.created: list[torch.fx.Node] = []
+        self._sizes: dict = {}  # graph values of symbolic bounds, built once
+        self._symbols = kv_patterns.symbol_inputs(graph)
+
+    def length(self, piece: int):
+        """Piece's row count as the graph spells it: an int, the graph input holding its symbol, or else
+        a size node of the piece (which then reads the projection: its K cannot join a group)."""
+        start, end = self.bounds[piece]
+        if isinstance(_as_int(end - start), int):
+            return _as_int(end - start)
+        if ("length", piece) not in self._sizes:
+            symbol = self._symbols.get((end - start).node.expr)
+            self._sizes[("length", piece)] = symbol or self.call(aten.sym_size.int, [self.cat.args[0][piece], self.dim])
+        return self._sizes[("length", piece)]
+
+    def start(self, piece: int):
+        """Piece's first row along the cat: an int, or the sum of the earlier pieces' size nodes."""
+        if isinstance(self.bounds[piece][0], int):
+            return self.bounds[piece][0]
+        if ("start", piece) not in self._sizes:
+            before = self.start(piece - 1)
+            self._sizes[("start", piece)] = self.call(operator.add, [before, self.length(piece - 1)])
+        return self._sizes[("start", piece)]
 
     def call(self, target, args, kwargs=None) -> torch.fx.Node:
         node = self.graph.call_function(target, tuple(args), kwargs or {})
@@ -113,22 +151,26 @@ class _Pusher:
             if self.axis[arg] + out_rank - val(arg).dim() != out_axis:
                 raise _Stop("pieces on different axes")
             return self.pieces[arg][piece]
-        shape = _static(arg)
+        shape = _shape(arg)
         if shape is None:
-            raise _Stop("operand of dynamic shape")
+            raise _Stop("operand is not a tensor")
         aligned = out_axis - (out_rank - len(shape))
-        if aligned < 0 or shape[aligned] == 1:
+        if aligned < 0 or _same(shape[aligned], 1):
             return arg
-        if shape[aligned] != self.bounds[-1][1]:
+        if not _same(shape[aligned], self.total):
             raise _Stop("operand does not run along the tokens")
-        start, end = self.bounds[piece]
+        start, length = self.start(piece), self.length(piece)
+        if isinstance(start, int) and isinstance(length, int):
+            end = start + length
+        else:
+            end = length if start == 0 else self.call(operator.add, [start, length])
         return self.call(aten.slice.Tensor, [arg, aligned, start, end])
 
     def push(self, node: torch.fx.Node) -> None:
         """Pieces of `node` (one of its tensor inputs in the region); raises _Stop when it must stay whole."""
         target, args = node.target, list(node.args)
         source = args[0] if args and isinstance(args[0], torch.fx.Node) else None
-        full = _static(node) if isinstance(val(node), torch.Tensor) else None
+        full = _shape(node)
         if target in _BINARY:
             axes = {self.axis[a] + val(node).dim() - val(a).dim() for a in args[:2] if a in self.pieces}
             if len(axes) != 1 or full is None:
@@ -151,18 +193,21 @@ class _Pusher:
             axis -= 0 if keep else sum(1 for d in dims if d % rank < axis)
             made = [self.call(target, [p] + args[1:], node.kwargs) for p in self.pieces[source]]
         elif target in RESHAPES:  # the axis must stay one dim, with the same elements before it
-            before, after = _static(source), full
-            if before is None or after is None:
-                raise _Stop("reshape of dynamic shape")
+            before, after = _shape(source), full
             outer = math.prod(before[: self.axis[source]])
-            found = [j for j in range(len(after)) if math.prod(after[:j]) == outer and after[j] == before[self.axis[source]]]
+            found = [
+                j for j in range(len(after))
+                if _same(math.prod(after[:j]), outer) and _same(after[j], before[self.axis[source]])
+            ]  # fmt: skip
             if not found:
                 raise _Stop("reshape moves the tokens")
             axis = found[0]
+            # the shape as the graph spells it (its size nodes), the axis resized to the piece's rows
+            spelled = list(args[1]) if len(args[1]) == len(after) else list(after)
             made = []
-            for piece, (start, end) in zip(self.pieces[source], self.bounds):
-                shape = list(after)
-                shape[axis] = end - start
+            for i, piece in enumerate(self.pieces[source]):
+                shape = list(spelled)
+                shape[axis] = self.length(i)
                 made.append(self.call(target, [piece, shape]))
         elif target is aten.permute.default:
             axis = list(args[1]).index(self.axis[source])
@@ -208,24 +253,16 @@ class _Pusher:
             for g, f in pairs:
                 expected = list(f.shape)
                 expected[axis] = end - start
-                if list(g.shape) != expected or g.dtype != f.dtype:
+                if len(g.shape) != len(expected) or not all(map(_same, g.shape, expected)) or g.dtype != f.dtype:
                     raise _Stop("piece shape")
 
 
 def _join_cat(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int]]:
-    """(cat, dim) for a cat of projection outputs at fixed sizes along a token axis."""
+    """(cat, dim) for a cat of projection outputs along a token axis."""
     dim = _token_axis_cat(node)
-    pieces = node.args[0] if dim is not None else []
-    if dim is None or _static(node) is None or not all(_static(p) is not None for p in pieces):
+    if dim is None:
         return None
-    return (node, dim) if any(_projection_of(p) is not None for p in pieces) else None
-
-
-def unsplit_projections(graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    """Projections whose rows a cat along a token axis of symbolic length joins with others: left whole
-    (pieces are cut at fixed row bounds), so their K branches start at the cat."""
-    cats = [n for n in graph.nodes if _token_axis_cat(n) is not None and _static(n) is None]
-    return {p for cat in cats for p in map(_projection_of, cat.args[0]) if p is not None}
+    return (node, dim) if any(_projection_of(p) is not None for p in node.args[0]) else None
 
 
 def push_token_cats(graph: torch.fx.Graph) -> int:

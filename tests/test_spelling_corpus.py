@@ -301,25 +301,33 @@ def test_random_spelling_compositions_fuse_and_match_eager(projection, norm, rot
     assert groups[0].rotary_style == ("interleaved" if rotary in ("pairs", "complex") else "neox")
 
 
-# Spellings that fuse at static sizes only, and the reason given under dynamic shapes (a regex).
-NOT_YET_DYNAMIC = {
-    "zlab_dflash_ctx_noise_cat": "joined along tokens with other rows",
-    "zlab_dflash_per_layer_noise": "joined along tokens with other rows",
-}
+@pytest.mark.parametrize("dynamic_piece", ["context", "noise"])
+def test_zlab_token_cat_fuses_with_one_piece_of_dynamic_length(dynamic_piece):
+    """The z-lab DFlash concatenation with one dynamic piece (a varying context beside a fixed noise block,
+    or the reverse): the other piece's length is a plain number in the graph, the dynamic one's a symbol,
+    and each piece's cos/sin rows start where the earlier pieces end. Both layers' context and noise rows
+    fuse, as at static sizes."""
+    (case,) = [c for c in CASES if c.name == "zlab_dflash_ctx_noise_cat"]
+    module, (noise, target, positions) = case.build(torch.float32)
+    torch._dynamo.mark_dynamic(target if dynamic_piece == "context" else noise, 1)
+    torch._dynamo.mark_dynamic(positions, 1)
+    fused_kv_pass = fx_fusion.FusedKVPass()
+    with torch.no_grad():
+        compiled = torch.compile(module, options={"post_grad_custom_post_pass": fused_kv_pass})
+        assert_matches_eager(compiled(noise, target, positions), module(noise, target, positions), torch.float32)
+    groups, rejected = groups_and_rejections(fused_kv_pass)
+    assert [g.n_layers for g in groups] == [N_LAYERS, N_LAYERS] and not rejected, describe(fused_kv_pass)
 
 
 @pytest.mark.parametrize("case", FUSING, ids=[c.name for c in FUSING])
 def test_spelling_fuses_with_dynamic_shapes(case):
     """Each spelling compiled with dynamic=True (every size symbolic: views of symbolic shapes in the rotary
-    region, symbolic split sizes, strided pieces of symbolic token axes) matches eager and fuses, or
-    (NOT_YET_DYNAMIC) says why not."""
+    region, symbolic split sizes, strided pieces of symbolic token axes, token concatenations of symbolic
+    length) matches eager and fuses."""
     module, inputs = case.build(torch.float32)
     fused_kv_pass = fx_fusion.FusedKVPass()
     with torch.no_grad():
         compiled = torch.compile(module, dynamic=True, options={"post_grad_custom_post_pass": fused_kv_pass})
         assert_matches_eager(compiled(*inputs), module(*inputs), torch.float32)
-    groups, rejected = groups_and_rejections(fused_kv_pass)
-    if case.name in NOT_YET_DYNAMIC:
-        assert any(re.search(NOT_YET_DYNAMIC[case.name], r.reason) for r in rejected), describe(fused_kv_pass)
-    else:
-        assert any(g.n_layers >= N_LAYERS for g in groups), f"{case.name}: {describe(fused_kv_pass)}"
+    groups, _ = groups_and_rejections(fused_kv_pass)
+    assert any(g.n_layers >= N_LAYERS for g in groups), f"{case.name}: {describe(fused_kv_pass)}"
