@@ -8,7 +8,8 @@ states, the same input for every layer) with its noise-block K along tokens *bef
 Every op after that cat treats each token on its own, so it equals `cat([f(ctx), f(noise)], dim)`: the
 same ops applied to each piece, with the cos/sin rows of that piece. This module rewrites the graph that
 way; each piece's chain is then an ordinary K branch, and the context pieces of all layers fuse into one
-group while the noise rows keep their own path.
+group while the noise rows keep their own path. A piece may be a projection's output or columns cut from
+it (K and V of a fused kv/qkv linear).
 
 The pushed region is every node reachable from the cat through ops that keep the cat's axis an axis of
 its own: elementwise ops (other operands used as they broadcast, cut to the piece's rows where they run
@@ -67,10 +68,11 @@ class _Stop(Exception):
 
 
 def _projection_of(piece: torch.fx.Node) -> Optional[torch.fx.Node]:
-    """The projection whose output `piece` is, reshaped (its rows split into leading dims), else None."""
+    """The projection whose output (or columns of it: K cut from a fused kv/qkv linear) `piece` is,
+    reshaped (its rows split into leading dims), else None."""
     node = piece
-    while is_call(node, *RESHAPES):
-        node = node.args[0]
+    while is_call(node, *RESHAPES) or kv_patterns.column_range(node) is not None:
+        node = node.args[0] if is_call(node, *RESHAPES) else kv_patterns.column_range(node)[0]
     return node if is_call(node, *PROJECTION_OPS) else None
 
 

@@ -5,7 +5,9 @@ split in two, or K and V cut from a qkv linear by slices), lays K out as [B, T, 
 (before or after the norm), normalises it (none, Hugging Face's RMSNorm, F.rms_norm, Gemma's 1 + weight,
 no upcast) and rotates it (rotate_half by slices or chunk, vLLM's native halves, GPT-J pairs; full or
 partial) with cos/sin computed from the positions or gathered from a cat(cos, sin) cache. Optional: bias,
-V transposed, the raw K returned too, one norm weight shared by every layer, a dynamic token count. One
+V transposed, the raw K returned too, one norm weight shared by every layer, a dynamic token count, and
+z-lab DFlash's token concatenation (each layer's K and V joined with a noise block's along tokens before
+the norm and RoPE). One
 layer may deviate in eps, rope base, the rotary style or width, the norm, or read the hidden states
 flipped: grouping must tell those apart by value. `check(seed)` compiles a draft with FusedKVPass and
 with stock Inductor and compares both with eager.
@@ -26,6 +28,7 @@ from torch import nn
 import fx_fusion
 
 HIDDEN, HEADS, HEAD_DIM, MAX_POS = 64, 2, 16, 64
+NOISE_TOKENS = 2  # a token-cat draft's noise block
 ROPES = ("slices", "chunk", "vllm", "gptj")
 NORMS = ("none", "hf", "f_rms_norm", "gemma", "no_upcast")
 
@@ -93,10 +96,13 @@ class FuzzLayer(nn.Module):
         emb = torch.cat((freqs, freqs), -1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, x, positions):
+    def forward(self, x, positions, noise=None):
         spec = self.spec
-        batch, tokens, _ = x.shape
         k, v = self.project(x.flip(0) if spec["flip_x"] else x)
+        if noise is not None:  # z-lab DFlash: joined with the noise block's along tokens, before the norm
+            k_noise, v_noise = self.project(noise)
+            k, v = torch.cat([k, k_noise], dim=1), torch.cat([v, v_noise], dim=1)
+        batch, tokens = k.shape[:2]
         k, v = k.view(batch, tokens, HEADS, HEAD_DIM), v.view(batch, tokens, HEADS, HEAD_DIM)
         raw = k
         cos, sin = self.tables(positions, x.dtype)
@@ -110,15 +116,20 @@ class FuzzLayer(nn.Module):
 
 
 class FuzzDraft(nn.Module):
-    def __init__(self, specs: list[dict], shared_norm: bool):
+    def __init__(self, specs: list[dict], shared_norm: bool, token_cat: bool = False):
         super().__init__()
         self.layers = nn.ModuleList(FuzzLayer(spec) for spec in specs)
+        self.noise = nn.Buffer(torch.randn(1, NOISE_TOKENS, HIDDEN)) if token_cat else None
         weighted = [layer for layer in self.layers if layer.norm_weight is not None]
         for layer in weighted[1:] if shared_norm else []:
             layer.norm_weight = weighted[0].norm_weight
 
     def forward(self, x, positions):
-        return tuple(out for layer in self.layers for out in layer(x, positions))
+        noise = None
+        if self.noise is not None:  # the noise block's positions follow the context's
+            noise = self.noise.expand(x.shape[0], -1, -1)
+            positions = torch.cat([positions, positions[-1] + 1 + torch.arange(NOISE_TOKENS)])
+        return tuple(out for layer in self.layers for out in layer(x, positions, noise))
 
 
 def draw(seed: int) -> dict:
@@ -140,7 +151,7 @@ def draw(seed: int) -> dict:
         }[field]  # fmt: skip
     return dict(
         specs=specs, shared_norm=rng.random() < 0.3, tokens=rng.choice([1, 3, 5]), batch=rng.choice([1, 2]),
-        dtype=rng.choice(["float32", "bfloat16"]), dynamic=rng.random() < 0.2,
+        dtype=rng.choice(["float32", "bfloat16"]), dynamic=rng.random() < 0.2, token_cat=rng.random() < 0.2,
     )  # fmt: skip
 
 
@@ -154,7 +165,7 @@ def check(seed: int) -> tuple[dict, fx_fusion.FusedKVPass, float, float]:
     drawn = draw(seed)
     dtype = getattr(torch, drawn["dtype"])
     torch.manual_seed(seed)
-    draft = FuzzDraft(drawn["specs"], drawn["shared_norm"]).to(dtype).eval()
+    draft = FuzzDraft(drawn["specs"], drawn["shared_norm"], drawn["token_cat"]).to(dtype).eval()
     x = torch.randn(drawn["batch"], drawn["tokens"], HIDDEN, dtype=dtype)
     positions = torch.arange(drawn["tokens"]) + 3
     fused_kv_pass = fx_fusion.FusedKVPass()

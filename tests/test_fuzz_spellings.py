@@ -28,8 +28,9 @@ def test_random_draft_matches_eager(seed):
     assert fuzz_spellings.within_tolerance(drawn, error, stock_error), (error, stock_error, drawn)
     groups = [g for record in fused_kv_pass.records for g in record.fused_groups]
     specs = drawn["specs"]
-    if all(spec == specs[0] for spec in specs):
-        assert len(groups) == 1 and groups[0].n_layers == len(specs), (drawn, [g.describe() for g in groups])
+    if all(spec == specs[0] for spec in specs):  # one group; with a token cat, one more for the noise rows
+        expected = [len(specs)] * (2 if drawn["token_cat"] else 1)
+        assert [g.n_layers for g in groups] == expected, (drawn, [g.describe() for g in groups])
 
 
 @pytest.mark.parametrize("seed", [65, 67])
@@ -54,3 +55,16 @@ def test_drafts_that_also_return_the_raw_k_fuse(seed):
     assert fuzz_spellings.within_tolerance(drawn, error, stock_error)
     groups = [g for record in fused_kv_pass.records for g in record.fused_groups]
     assert sum(g.n_layers for g in groups) == len(drawn["specs"]), [g.describe() for g in groups]
+
+
+@pytest.mark.parametrize("seed", [5023, 5062])
+def test_token_cats_of_cut_projections_fuse(seed):
+    """Found by the fuzzer: z-lab's token concatenation of K and V cut from a fused kv/qkv linear (the
+    pieces are column cuts of the projection, not the projection itself) was not pushed down, and no layer
+    fused. Now the context rows of every layer fuse, and the noise rows too: a qkv linear with GPT-J pairs
+    and a dynamic token count, a kv linear whose raw K is also returned."""
+    drawn, fused_kv_pass, error, stock_error = fuzz_spellings.check(seed)
+    assert drawn["token_cat"] and drawn["specs"][0]["projection"] in ("kv", "qkv"), drawn
+    assert fuzz_spellings.within_tolerance(drawn, error, stock_error)
+    groups = [g for record in fused_kv_pass.records for g in record.fused_groups]
+    assert [g.n_layers for g in groups] == [len(drawn["specs"])] * 2, [g.describe() for g in groups]
