@@ -7,9 +7,8 @@ no upcast) and rotates it (rotate_half by slices or chunk, vLLM's native halves,
 partial) with cos/sin computed from the positions or gathered from a cat(cos, sin) cache. Optional: bias,
 V transposed, the raw K returned too, one norm weight shared by every layer, a dynamic token count, and
 z-lab DFlash's token concatenation (each layer's K and V joined with a noise block's along tokens before
-the norm and RoPE). One
-layer may deviate in eps, rope base, the rotary style or width, the norm, or read the hidden states
-flipped: grouping must tell those apart by value. `check(seed)` compiles a draft with FusedKVPass and
+the norm and RoPE). One layer may deviate in eps, rope base, the rotary style or width, the norm, or read
+the hidden states flipped: grouping must tell those apart by value. `check(seed)` compiles a draft with FusedKVPass and
 with stock Inductor and compares both with eager.
 
     python tests/fuzz_spellings.py [--first 0] [--count 200]     # a long run, one line per draft
