@@ -25,6 +25,7 @@ from typing import Optional, Union
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from . import padded_linears, rotary_action
 from .probe_sizes import FULL_SIZE, ProbeMismatch, ProbeSizes, probe_call
@@ -1205,6 +1206,12 @@ def depends_on(inputs: list[torch.fx.Node], forbidden: set) -> bool:
         seen.add(node)
         stack.extend(node.all_input_nodes)
     return False
+
+
+def same_size(a, b) -> bool:
+    """Are two sizes (ints or symbolic) equal at every size the graph may run with? Decided from the
+    expressions alone: no guard is added."""
+    return statically_known_true(a == b)
 
 
 def symbol_inputs(graph: torch.fx.Graph) -> dict:

@@ -24,24 +24,17 @@ from typing import Optional
 import torch
 import torch.fx
 
-from .kv_patterns import erase_unused, is_call, static_shape, val
+from .kv_patterns import erase_unused, is_call, same_size, static_shape, val
 from .values import RESHAPES
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 
 
-def _same_size(a, b) -> bool:
-    """Equal numbers, or symbolic sizes of one expression (compared as expressions: no guard is added)."""
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    return isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt) and a.node.expr == b.node.expr
-
-
 def _same_shape(a: torch.fx.Node, b: torch.fx.Node) -> bool:
     """Shapes equal at every size the graph may run with."""
     shapes = [list(val(n).shape) for n in (a, b)]
-    return len(shapes[0]) == len(shapes[1]) and all(_same_size(x, y) for x, y in zip(*shapes))
+    return len(shapes[0]) == len(shapes[1]) and all(same_size(x, y) for x, y in zip(*shapes))
 
 
 def _static_length(source, dim) -> bool:

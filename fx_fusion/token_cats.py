@@ -29,10 +29,10 @@ from typing import Optional
 
 import torch
 import torch.fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from . import kv_patterns
-from .kv_patterns import PROJECTION_OPS, is_call, val
+from .kv_patterns import PROJECTION_OPS, is_call, same_size, val
 from .values import RESHAPES
 
 aten = torch.ops.aten
@@ -93,14 +93,7 @@ def _shape(node: torch.fx.Node) -> Optional[list]:
 
 def _as_int(size):
     """A size as an int when it is one, symbolic or not (`(s0 + 4) - s0` is 4)."""
-    if isinstance(size, torch.SymInt) and size.node.expr.is_number:
-        return int(size.node.expr)
-    return size
-
-
-def _same(a, b) -> bool:
-    """Are two sizes (ints or symbolic) known to be equal?"""
-    return statically_known_true(a == b)
+    return int(size) if is_concrete_int(size) else size
 
 
 class _Pusher:
@@ -157,9 +150,9 @@ class _Pusher:
         if shape is None:
             raise _Stop("operand is not a tensor")
         aligned = out_axis - (out_rank - len(shape))
-        if aligned < 0 or _same(shape[aligned], 1):
+        if aligned < 0 or same_size(shape[aligned], 1):
             return arg
-        if not _same(shape[aligned], self.total):
+        if not same_size(shape[aligned], self.total):
             raise _Stop("operand does not run along the tokens")
         start, length = self.start(piece), self.length(piece)
         if isinstance(start, int) and isinstance(length, int):
@@ -199,7 +192,7 @@ class _Pusher:
             outer = math.prod(before[: self.axis[source]])
             found = [
                 j for j in range(len(after))
-                if _same(math.prod(after[:j]), outer) and _same(after[j], before[self.axis[source]])
+                if same_size(math.prod(after[:j]), outer) and same_size(after[j], before[self.axis[source]])
             ]  # fmt: skip
             if not found:
                 raise _Stop("reshape moves the tokens")
@@ -255,7 +248,7 @@ class _Pusher:
             for g, f in pairs:
                 expected = list(f.shape)
                 expected[axis] = end - start
-                if len(g.shape) != len(expected) or not all(map(_same, g.shape, expected)) or g.dtype != f.dtype:
+                if len(g.shape) != len(expected) or not all(map(same_size, g.shape, expected)) or g.dtype != f.dtype:
                     raise _Stop("piece shape")
 
 
