@@ -50,11 +50,11 @@ prims = torch.ops.prims
 
 # Ops that move elements without changing them (replayed on labels), and the element-wise ops of a quantised
 # write (skipped on labels, kept as the op's scale and the cache's dtype).
-_VIEW_OPS = {
+_VIEW_OPS = frozenset({
     aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,
     aten.transpose.int, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
     aten.select.int, aten.slice.Tensor, aten.expand.default, aten.clone.default, aten.alias.default,
-}  # fmt: skip
+})  # fmt: skip
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -119,8 +119,10 @@ def _write_of_value(node: torch.fx.Node) -> Optional[torch.fx.Node]:
     return None
 
 
-def _chains(root: torch.fx.Node, stop: set) -> tuple[list[tuple[list[torch.fx.Node], torch.fx.Node]], list]:
-    """Paths from `root` through views and quantisation ops to cache writes, [(chain, write)], and the
+def _chains(
+    root: torch.fx.Node, stop: set, views: frozenset = _VIEW_OPS
+) -> tuple[list[tuple[list[torch.fx.Node], torch.fx.Node]], list]:
+    """Paths from `root` through `views` and quantisation ops to cache writes, [(chain, write)], and the
     other nodes that read `root` or a node on such a path (nodes in `stop` are not followed)."""
     found, others, stack = [], [], [[root]]
     while stack:
@@ -133,7 +135,7 @@ def _chains(root: torch.fx.Node, stop: set) -> tuple[list[tuple[list[torch.fx.No
         for user in node.users:
             if user in stop:
                 continue
-            if user.target in _VIEW_OPS or user.target in (prims.convert_element_type.default, aten.div.Tensor):
+            if user.target in views or user.target in (prims.convert_element_type.default, aten.div.Tensor):
                 stack.append(chain + [user])
             else:
                 others.append(user)
@@ -393,11 +395,13 @@ def absorb(graph: torch.fx.Graph, builder, k_all: torch.fx.Node, proj: torch.fx.
     """Rewrite the cache writes of a fused group (module docstring); returns what was absorbed, '' when the
     group's K is not written to a cache. NoMatch (graph unchanged) when they cannot be absorbed exactly.
     `in_order`: whether the graph is still in topological order after the group's rewrite."""
+    if k_all.kwargs.get("token_major"):  # its outputs may be strided views of it (strided_outputs)
+        if _chains(k_all, set(), _VIEW_OPS | {aten.as_strided.default})[0]:
+            raise NoMatch("the group also holds query heads, which are not cached")
+        return ""
     k_paths, k_others = _chains(k_all, set())
     if not k_paths:
         return ""
-    if k_all.kwargs.get("token_major"):
-        raise NoMatch("the group also holds query heads, which are not cached")
     if not in_order:  # the group's users after its new nodes
         stable_topological_sort(graph)
     k_writes, v_writes = plan(k_all, proj, k_paths, k_others)

@@ -52,6 +52,8 @@ class FusedGroup:
     layer_heads: list[int] = dataclasses.field(default_factory=list)
     # what became of the cache writes after the group: absorbed into the op, why not, or "" (none)
     cache_writes: str = ""
+    # outputs handed on as strided views of the op's output (query heads that attention reads in place)
+    strided_views: int = 0
 
     def describe(self) -> str:
         heads = f"{self.num_kv_heads} KV heads"
@@ -60,7 +62,9 @@ class FusedGroup:
         return (
             f"{self.n_layers} layers, {heads} x {self.head_dim}, rotary {self.rotary_dim} "
             f"{self.rotary_style}, {'k_norm' if self.k_norm else 'no k_norm'}, {'bias' if self.bias else 'no bias'}"
-        ) + (f"; {self.cache_writes}" if self.cache_writes else "")
+        ) + (f"; {self.cache_writes}" if self.cache_writes else "") + (
+            f"; {self.strided_views} outputs read in place" if self.strided_views else ""
+        )
 
 
 @dataclasses.dataclass

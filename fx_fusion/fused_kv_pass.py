@@ -70,7 +70,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 import fx_fusion.kernels.ops  # noqa: F401  (registers fx_fusion::materialize_*)
 import fx_fusion.kernels.grouped_linear  # noqa: F401  (registers fx_fusion::grouped_linear)
 
-from . import cache_writes, kv_patterns, op_lowering, probe_sizes, rotary_action, rotary_angles, scatter_forwarding, token_cats
+from . import cache_writes, kv_patterns, op_lowering, probe_sizes, rotary_action, rotary_angles, scatter_forwarding, strided_outputs, token_cats
 from .diagnostics import FusedGroup, PassRecord, RecordSink, Rejection, node_location
 from .kv_patterns import KBranch, NoMatch, Projection, is_call, val
 from . import memo, padded_linears, values
@@ -129,6 +129,7 @@ class FusedKVPass(CustomGraphPass):
             probe_sizes.__file__,
             scatter_forwarding.__file__,
             token_cats.__file__,
+            strided_outputs.__file__,
             cache_writes.__file__,
             op_lowering.__file__,
             fx_fusion.kernels.ops.__file__,
@@ -649,6 +650,7 @@ def _rewrite_group(
             for table in (branch.rotary.cos, branch.rotary.sin):
                 table_sizes[table.node] = _rotary_table_sizes(table.node, branch, hidden)
     before = _region_text(graph, projections, branches)
+    views = _views_of_token_major(graph, fake_mode, branches, blocks_of, (n_blocks, val(x2d).shape[0], unit, head_dim)) if split_heads else {}
 
     # The replacement goes just before the first projection, so that every reader of a replaced node
     # follows it; inputs formed later (e.g. tables a layer computes after its projections) move there
@@ -723,6 +725,10 @@ def _rewrite_group(
             new_outputs, block = [], 0
             for branch in branches:
                 count = blocks_of[id(branch)]
+                if branch.output in views:  # query heads read in place (strided_outputs)
+                    new_outputs.append((branch.output, builder.call(aten.as_strided.default, k_all, *views[branch.output])))
+                    block += count
+                    continue
                 if branch.source.roles is not None:  # a strided piece (litgpt): its K, re-laid out
                     k_branch = _strided_piece(builder, k_all, block, count, branch.source)
                     block += count
@@ -778,8 +784,31 @@ def _rewrite_group(
         layers=[node_location(b.projection.node) for b in branches],
         layer_heads=[b.heads.num_heads for b in branches for _ in range(b.n_layers)],
         cache_writes=cache_note,
+        strided_views=len(views),
     )
     return group, in_order
+
+
+def _views_of_token_major(graph, fake_mode, branches: list[KBranch], blocks_of: dict, k_all_shape: tuple) -> dict:
+    """{replaced node: (size args, strides, offset)} for each branch output of a token-major group that is a
+    strided view of the op's output (`strided_outputs`); strided pieces (their own re-layout) are left out."""
+    outputs, block = [], 0
+    for branch in branches:
+        count = blocks_of[id(branch)]
+        shape = branch.source.output_shape(branch.features) or [-1, branch.n_layers * branch.features]
+        outputs.append((block, count, shape, branch.layout_before_norm + branch.layout_after_norm, branch.output))
+        block += count
+    views = {}
+    for branch, found in zip(branches, strided_outputs.views_of_token_major(fake_mode, k_all_shape, outputs)):
+        if found is None or branch.source.roles is not None:
+            continue
+        try:
+            sizes = _size_args(graph, list(val(branch.output).shape))
+        except NoMatch:
+            continue
+        if -1 not in sizes:  # as_strided takes every size spelled out
+            views[branch.output] = (sizes, *found)
+    return views
 
 
 def _strided_piece(builder: _GraphBuilder, k_all: torch.fx.Node, block: int, count: int, source) -> torch.fx.Node:

@@ -307,7 +307,28 @@ def test_all_layers_q_and_k_of_one_input_fuse_as_blocks_of_heads():
     assert (group.n_layers, group.num_kv_heads, group.layer_heads) == (6, 2, [4, 2] * 3), record
     assert not record.rejected, record.rejected
     assert counting.after[FUSED_OP] == 1 and counting.after[GROUPED_GEMM] == 1
+    # every Q and K [B, heads, T, D] is one strided view of the token-major output (no reshape to copy)
+    assert group.strided_views == 6 and counting.after[aten.as_strided.default] == 6, record
     assert sum(counting.after[op] for op in PROJECTION_OPS) == 0 and counting.after[aten.rsqrt.default] == 0
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_q_and_k_with_dynamic_shapes_are_views_only_where_strides_are_numbers(batch):
+    """With dynamic shapes a batch's stride is symbolic (tokens * row width): at batch 1 (a dim of size one,
+    never stepped) Q and K are still strided views of the op's output, sizes spelled by the graph's symbol;
+    a larger batch keeps the model's own reshapes. Both match eager."""
+    torch.manual_seed(0)
+    module = SharedInputQK()
+    x, positions = torch.randn(batch, 5, 64), torch.arange(5)[None] + 1
+    with torch.no_grad():
+        expected = module(x, positions)
+        counting = CountingPass()
+        compiled = torch.compile(module, dynamic=True, options={"post_grad_custom_post_pass": counting})
+        assert_close_outputs(compiled(x, positions), expected, torch.float32)
+    (record,) = counting.records
+    (group,) = record.fused_groups
+    views = 6 if batch == 1 else 0
+    assert group.strided_views == views and counting.after[aten.as_strided.default] == views, record
 
 
 def test_layer_with_other_head_dim_fuses_in_a_group_of_its_own():

@@ -273,6 +273,14 @@ def test_compiled_logits_match_eager_and_projections_accounted(name, batch):
     check_accounted(model, ids, records)
     check_attention_projections(name, model, records)
     check_mlp_reasons(records)
+    check_strided_views(records)
+
+
+def check_strided_views(records: list) -> None:
+    """A GQA layer's Q and K (heads in several blocks) are handed to attention as strided views of the
+    token-major output, at any batch, so that Inductor does not copy Q in front of attention."""
+    for group in (g for r in records for g in r.fused_groups if len(set(g.layer_heads)) > 1):
+        assert group.strided_views == len(group.layer_heads), describe(records)
 
 
 def check_mlp_reasons(records: list) -> None:
@@ -361,7 +369,8 @@ def test_generate_with_compiled_forward_matches_eager(name, cache):
 def test_whole_model_fused_work_is_inductor_code_on_cuda(seq_len):
     """A whole Llama (GQA) model on CUDA: each layer's Q+K group reaches Inductor as kernel launches in its
     generated code, at few tokens (the grouped GEMM with the K epilogue) and at many (cuBLAS GEMMs and the
-    materialization kernel): no fused op is left as an op call dispatched from Python."""
+    materialization kernel): no fused op is left as an op call dispatched from Python, and attention reads
+    each layer's Q straight from that kernel's output (no copy of Q in between)."""
     # head_dim 64: Q's 256 and K's 128 rows are blocks of 128 rows, wide enough for the grouped kernel
     config = transformers.LlamaConfig(**{**COMMON, "hidden_size": 256, "head_dim": 64, "intermediate_size": 512})
     config._attn_implementation = "sdpa"
@@ -382,6 +391,11 @@ def test_whole_model_fused_work_is_inductor_code_on_cuda(seq_len):
     assert "torch.ops.fx_fusion" not in code, "a fused op is still called from Python"
     kernel = "_grouped_gemv_kernel" if seq_len <= 32 else "_fused_kv_materialize_kernel"
     assert kernel in code, text
+    launches = "\n".join(line for line in code.splitlines() if kernel in line and ".run(" in line)
+    queries = re.findall(r"= torch\.ops\.aten\._scaled_dot_product_\w+\.default\((?:reinterpret_tensor\()?(buf\d+)\b", code)
+    assert len(queries) == model.config.num_hidden_layers, code
+    for query in queries:
+        assert re.search(rf"\b{query}\b", launches), f"attention reads Q from {query}, not written by {kernel}:\n{code}"
 
 
 def outputs_match_eager(config, model_class, batch: int = 2) -> tuple[list, str]:

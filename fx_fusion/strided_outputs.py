@@ -1,0 +1,78 @@
+"""Outputs of a group that holds query heads, handed on as strided views of the fused op's output.
+
+A layer's Q and K fused into one group (heads in several blocks, `split_heads`) come out of the op
+token-major: [total_ctx, n_blocks, unit, head_dim] in memory. A layer's query heads span several blocks,
+yet stay one strided tensor there: [tokens, heads, head_dim] with strides (n_blocks * unit * head_dim,
+head_dim, 1). Rebuilt as the model spells it (blocks, reshape to the projection's shape, view, transpose),
+Inductor sees a reshape of a non-contiguous buffer, which it cannot express as a strided view, and copies
+Q before every attention call. One `as_strided` of the op's output says the same thing as a view, so
+attention reads Q in place (and writes its output in Q's layout, which the output projection reads as is).
+
+Why it is safe: each branch's rebuild runs on fake values from a token-major output first. Only where the
+result is a view of that output, of the replaced node's shape, does the pass use `as_strided`, with that
+view's strides and offset; a view is fully defined by them, so every element is the one the rebuild
+reads. Strides and offsets must be numbers (a symbolic stride of a dim of size one aside, which is never
+stepped); anything else keeps the plain rebuild.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.fx
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+from .kv_patterns import same_size, val
+
+
+def _rebuilt(k_all: torch.Tensor, block: int, count: int, shape: list, chain: list[torch.fx.Node]) -> torch.Tensor:
+    """A branch's output built from `k_all` as the pass builds it: its blocks reshaped to `shape` (its
+    source's), then the layout ops the model applied."""
+    piece = k_all[block] if count == 1 else k_all[block : block + count].permute(1, 0, 2, 3)
+    piece = piece.reshape(shape)
+    for node in chain:
+        args, kwargs = torch.fx.map_arg((node.args[1:], node.kwargs), val)
+        piece = node.target(piece, *args, **kwargs)
+    return piece
+
+
+def _numeric_strides(view: torch.Tensor) -> Optional[list[int]]:
+    """The view's strides as numbers (1 for a symbolic stride of a dim of size one), or None."""
+    strides = []
+    for size, stride in zip(view.shape, view.stride()):
+        if is_concrete_int(stride):
+            strides.append(int(stride))
+        elif same_size(size, 1):
+            strides.append(1)
+        else:
+            return None
+    return strides
+
+
+def views_of_token_major(
+    fake_mode, k_all_shape: tuple, outputs: list[tuple]
+) -> list[Optional[tuple[list[int], int]]]:
+    """Per branch, (strides, storage offset) of its output as a view of the op's token-major output, or None
+    where the rebuild is not such a view. `k_all_shape`: the output's [n_blocks, total_ctx, unit, head_dim];
+    `outputs`: per branch (first block, blocks, source shape, layout chain, the replaced node)."""
+    if fake_mode is None:
+        return [None] * len(outputs)
+    n_blocks, tokens, unit, head_dim = k_all_shape
+    found = []
+    with fake_mode:
+        k_all = torch.empty((tokens, n_blocks, unit, head_dim), dtype=torch.int8).permute(1, 0, 2, 3)
+        for block, count, shape, chain, replaced in outputs:
+            try:
+                rebuilt = _rebuilt(k_all, block, count, torch.fx.map_arg(shape, val), chain)
+            except Exception:  # a layout op that does not apply to a plain tensor: keep the plain rebuild
+                found.append(None)
+                continue
+            strides = _numeric_strides(rebuilt)
+            is_view = rebuilt._base is k_all._base and is_concrete_int(rebuilt.storage_offset())
+            same_shape = len(rebuilt.shape) == len(val(replaced).shape) and all(
+                same_size(a, b) for a, b in zip(rebuilt.shape, val(replaced).shape)
+            )
+            found.append((strides, int(rebuilt.storage_offset())) if is_view and same_shape and strides is not None else None)
+    return found
+
