@@ -58,6 +58,7 @@ import collections
 import copy
 import logging
 import math
+import operator
 from typing import Optional
 
 import torch
@@ -722,11 +723,15 @@ def _rewrite_group(
                 # a layer in several blocks (Q beside K) reads its blocks as one [tokens, heads] view
                 **({"token_major": True} if split_heads else {}),
             )
+            if views and not strided_outputs.is_token_major(val(k_all)):  # not the layout the views assume
+                views = {}
             new_outputs, block = [], 0
             for branch in branches:
                 count = blocks_of[id(branch)]
                 if branch.output in views:  # query heads read in place (strided_outputs)
-                    new_outputs.append((branch.output, builder.call(aten.as_strided.default, k_all, *views[branch.output])))
+                    sizes, strides, offset = views[branch.output]
+                    strides = [s if isinstance(s, int) else builder.call(operator.mul, *s) for s in strides]
+                    new_outputs.append((branch.output, builder.call(aten.as_strided.default, k_all, sizes, strides, offset)))
                     block += count
                     continue
                 if branch.source.roles is not None:  # a strided piece (litgpt): its K, re-laid out
@@ -799,7 +804,8 @@ def _views_of_token_major(graph, fake_mode, branches: list[KBranch], blocks_of: 
         outputs.append((block, count, shape, branch.layout_before_norm + branch.layout_after_norm, branch.output))
         block += count
     views = {}
-    for branch, found in zip(branches, strided_outputs.views_of_token_major(fake_mode, k_all_shape, outputs)):
+    symbols = kv_patterns.symbol_inputs(graph)
+    for branch, found in zip(branches, strided_outputs.views_of_token_major(fake_mode, k_all_shape, outputs, symbols)):
         if found is None or branch.source.roles is not None:
             continue
         try:

@@ -11,8 +11,9 @@ attention reads Q in place (and writes its output in Q's layout, which the outpu
 Why it is safe: each branch's rebuild runs on fake values from a token-major output first. Only where the
 result is a view of that output, of the replaced node's shape, does the pass use `as_strided`, with that
 view's strides and offset; a view is fully defined by them, so every element is the one the rebuild
-reads. Strides and offsets must be numbers (a symbolic stride of a dim of size one aside, which is never
-stepped); anything else keeps the plain rebuild.
+reads. The offset must be a number and each stride a number or a graph input's symbol times one (a batch's
+stride under dynamic shapes: tokens per sequence times the row width); anything else keeps the plain
+rebuild.
 """
 
 from __future__ import annotations
@@ -37,30 +38,35 @@ def _rebuilt(k_all: torch.Tensor, block: int, count: int, shape: list, chain: li
     return piece
 
 
-def _numeric_strides(view: torch.Tensor) -> Optional[list[int]]:
-    """The view's strides as numbers (1 for a symbolic stride of a dim of size one), or None."""
-    strides = []
-    for size, stride in zip(view.shape, view.stride()):
-        if is_concrete_int(stride):
-            strides.append(int(stride))
-        elif same_size(size, 1):
-            strides.append(1)
-        else:
-            return None
-    return strides
+def _stride_term(size, stride, symbols: dict):
+    """A stride as the graph can spell it: a number (1 for a dim of size one, never stepped), or (graph input,
+    factor) for a symbolic stride that is one input's symbol times a number; None otherwise."""
+    if is_concrete_int(stride):
+        return int(stride)
+    if same_size(size, 1):
+        return 1
+    factor, symbol = stride.node.expr.as_coeff_Mul()
+    return (symbols[symbol], int(factor)) if symbol in symbols and factor.is_Integer else None
 
 
-def views_of_token_major(
-    fake_mode, k_all_shape: tuple, outputs: list[tuple]
-) -> list[Optional[tuple[list[int], int]]]:
-    """Per branch, (strides, storage offset) of its output as a view of the op's token-major output, or None
-    where the rebuild is not such a view. `k_all_shape`: the output's [n_blocks, total_ctx, unit, head_dim];
-    `outputs`: per branch (first block, blocks, source shape, layout chain, the replaced node)."""
+def is_token_major(k_all: torch.Tensor) -> bool:
+    """Whether the op's [n_blocks, total_ctx, unit, head_dim] output lies in memory as the views assume: a
+    dense [total_ctx, n_blocks, unit, head_dim] from the start of its storage."""
+    n_blocks, _, unit, head_dim = k_all.shape
+    dense = (unit * head_dim, n_blocks * unit * head_dim, head_dim, 1)
+    return same_size(k_all.storage_offset(), 0) and all(same_size(a, b) for a, b in zip(k_all.stride(), dense))
+
+
+def views_of_token_major(fake_mode, k_all_shape: tuple, outputs: list[tuple], symbols: dict) -> list[Optional[tuple]]:
+    """Per branch, (strides, storage offset) of its output as a view of the op's token-major output (each
+    stride as `_stride_term` spells it), or None where the rebuild is not such a view. `k_all_shape`: the
+    output's [n_blocks, total_ctx, unit, head_dim]; `outputs`: per branch (first block, blocks, source
+    shape, layout chain, the replaced node); `symbols`: {symbol: the graph input holding it}."""
     if fake_mode is None:
         return [None] * len(outputs)
     n_blocks, tokens, unit, head_dim = k_all_shape
     found = []
-    with fake_mode:
+    with fake_mode:  # k_all as materialize_k(..., token_major=True) lays it out (its fake kernel's strides)
         k_all = torch.empty((tokens, n_blocks, unit, head_dim), dtype=torch.int8).permute(1, 0, 2, 3)
         for block, count, shape, chain, replaced in outputs:
             try:
@@ -68,11 +74,11 @@ def views_of_token_major(
             except Exception:  # a layout op that does not apply to a plain tensor: keep the plain rebuild
                 found.append(None)
                 continue
-            strides = _numeric_strides(rebuilt)
+            strides = [_stride_term(size, stride, symbols) for size, stride in zip(rebuilt.shape, rebuilt.stride())]
             is_view = rebuilt._base is k_all._base and is_concrete_int(rebuilt.storage_offset())
             same_shape = len(rebuilt.shape) == len(val(replaced).shape) and all(
                 same_size(a, b) for a, b in zip(rebuilt.shape, val(replaced).shape)
             )
-            found.append((strides, int(rebuilt.storage_offset())) if is_view and same_shape and strides is not None else None)
+            found.append((strides, int(rebuilt.storage_offset())) if is_view and same_shape and None not in strides else None)
     return found
 

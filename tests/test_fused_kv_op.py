@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fx_fusion.kernels.ops import fused_norm_rope_stacked
+from fx_fusion.strided_outputs import is_token_major
 
 OPS = torch.ops.fx_fusion
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -459,6 +460,8 @@ def test_token_major_output_is_the_same_values_laid_out_token_first(device: str)
     with poisoned_allocations():
         token_major = OPS.materialize_k(*inputs.common(case), token_major=True)
     assert token_major.shape == expected.shape and token_major.transpose(0, 1).is_contiguous()
+    assert is_token_major(token_major)  # the layout the pass's strided views of Q and K assume
+    assert not is_token_major(expected) and not is_token_major(token_major[:, 1:])
     torch.testing.assert_close(token_major, expected, rtol=0, atol=0)
     mode = torch._subclasses.fake_tensor.FakeTensorMode()  # the fake kernel promises the same strides
     fake_args = torch.utils._pytree.tree_map_only(torch.Tensor, mode.from_tensor, inputs.common(case))
