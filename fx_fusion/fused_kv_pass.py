@@ -58,7 +58,6 @@ import collections
 import copy
 import logging
 import math
-import operator
 from typing import Optional
 
 import torch
@@ -730,7 +729,7 @@ def _rewrite_group(
                 count = blocks_of[id(branch)]
                 if branch.output in views:  # query heads read in place (strided_outputs)
                     sizes, strides, offset = views[branch.output]
-                    strides = [s if isinstance(s, int) else builder.call(operator.mul, *s) for s in strides]
+                    sizes, strides = ([strided_outputs.spell(builder, t) for t in terms] for terms in (sizes, strides))
                     new_outputs.append((branch.output, builder.call(aten.as_strided.default, k_all, sizes, strides, offset)))
                     block += count
                     continue
@@ -795,7 +794,7 @@ def _rewrite_group(
 
 
 def _views_of_token_major(graph, fake_mode, branches: list[KBranch], blocks_of: dict, k_all_shape: tuple) -> dict:
-    """{replaced node: (size args, strides, offset)} for each branch output of a token-major group that is a
+    """{replaced node: (sizes, strides, offset)} for each branch output of a token-major group that is a
     strided view of the op's output (`strided_outputs`); strided pieces (their own re-layout) are left out."""
     outputs, block = [], 0
     for branch in branches:
@@ -803,18 +802,8 @@ def _views_of_token_major(graph, fake_mode, branches: list[KBranch], blocks_of: 
         shape = branch.source.output_shape(branch.features) or [-1, branch.n_layers * branch.features]
         outputs.append((block, count, shape, branch.layout_before_norm + branch.layout_after_norm, branch.output))
         block += count
-    views = {}
-    symbols = kv_patterns.symbol_inputs(graph)
-    for branch, found in zip(branches, strided_outputs.views_of_token_major(fake_mode, k_all_shape, outputs, symbols)):
-        if found is None or branch.source.roles is not None:
-            continue
-        try:
-            sizes = _size_args(graph, list(val(branch.output).shape))
-        except NoMatch:
-            continue
-        if -1 not in sizes:  # as_strided takes every size spelled out
-            views[branch.output] = (sizes, *found)
-    return views
+    found = strided_outputs.views_of_token_major(fake_mode, k_all_shape, outputs, kv_patterns.symbol_inputs(graph))
+    return {b.output: view for b, view in zip(branches, found) if view is not None and b.source.roles is None}
 
 
 def _strided_piece(builder: _GraphBuilder, k_all: torch.fx.Node, block: int, count: int, source) -> torch.fx.Node:

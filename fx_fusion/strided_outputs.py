@@ -11,13 +11,14 @@ attention reads Q in place (and writes its output in Q's layout, which the outpu
 Why it is safe: each branch's rebuild runs on fake values from a token-major output first. Only where the
 result is a view of that output, of the replaced node's shape, does the pass use `as_strided`, with that
 view's strides and offset; a view is fully defined by them, so every element is the one the rebuild
-reads. The offset must be a number and each stride a number or a graph input's symbol times one (a batch's
-stride under dynamic shapes: tokens per sequence times the row width); anything else keeps the plain
-rebuild.
+reads. The offset must be a number, and each size and stride a number or a product of the graph's symbol
+inputs times one (dynamic shapes: a batch's stride is tokens per sequence times the row width, a flat
+token count batch times tokens); anything else keeps the plain rebuild.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
@@ -38,15 +39,30 @@ def _rebuilt(k_all: torch.Tensor, block: int, count: int, shape: list, chain: li
     return piece
 
 
-def _stride_term(size, stride, symbols: dict):
-    """A stride as the graph can spell it: a number (1 for a dim of size one, never stepped), or (graph input,
-    factor) for a symbolic stride that is one input's symbol times a number; None otherwise."""
-    if is_concrete_int(stride):
-        return int(stride)
-    if same_size(size, 1):
-        return 1
-    factor, symbol = stride.node.expr.as_coeff_Mul()
-    return (symbols[symbol], int(factor)) if symbol in symbols and factor.is_Integer else None
+def _spelled(value, symbols: dict):
+    """A size or stride as the graph can spell it: a number, or (graph inputs, factor) for a product of graph
+    inputs' symbols times a number (a batch's stride under dynamic shapes: tokens per sequence times the row
+    width); None otherwise. `symbols`: {symbol: the graph input holding it}."""
+    if is_concrete_int(value):
+        return int(value)
+    factor, product = value.node.expr.as_coeff_Mul()
+    inputs = []
+    for symbol, power in product.as_powers_dict().items():
+        if symbol not in symbols or not (power.is_Integer and power > 0):
+            return None
+        inputs += [symbols[symbol]] * int(power)
+    return (inputs, int(factor)) if factor.is_Integer else None
+
+
+def spell(builder, term):
+    """A `_spelled` term as an argument of a new node: the number, or the product built with `builder`."""
+    if isinstance(term, int):
+        return term
+    inputs, factor = term
+    value = inputs[0]
+    for other in inputs[1:]:
+        value = builder.call(operator.mul, value, other)
+    return builder.call(operator.mul, value, factor) if factor != 1 else value
 
 
 def is_token_major(k_all: torch.Tensor) -> bool:
@@ -58,10 +74,11 @@ def is_token_major(k_all: torch.Tensor) -> bool:
 
 
 def views_of_token_major(fake_mode, k_all_shape: tuple, outputs: list[tuple], symbols: dict) -> list[Optional[tuple]]:
-    """Per branch, (strides, storage offset) of its output as a view of the op's token-major output (each
-    stride as `_stride_term` spells it), or None where the rebuild is not such a view. `k_all_shape`: the
-    output's [n_blocks, total_ctx, unit, head_dim]; `outputs`: per branch (first block, blocks, source
-    shape, layout chain, the replaced node); `symbols`: {symbol: the graph input holding it}."""
+    """Per branch, (sizes, strides, storage offset) of its output as a view of the op's token-major output
+    (sizes and strides as `_spelled` terms), or None where the rebuild is not such a view or cannot be
+    spelled. `k_all_shape`: the output's [n_blocks, total_ctx, unit, head_dim]; `outputs`: per branch
+    (first block, blocks, source shape, layout chain, the replaced node); `symbols`: {symbol: the graph
+    input holding it}."""
     if fake_mode is None:
         return [None] * len(outputs)
     n_blocks, tokens, unit, head_dim = k_all_shape
@@ -74,11 +91,14 @@ def views_of_token_major(fake_mode, k_all_shape: tuple, outputs: list[tuple], sy
             except Exception:  # a layout op that does not apply to a plain tensor: keep the plain rebuild
                 found.append(None)
                 continue
-            strides = [_stride_term(size, stride, symbols) for size, stride in zip(rebuilt.shape, rebuilt.stride())]
+            sizes = [_spelled(size, symbols) for size in rebuilt.shape]
+            # a dim of size one is never stepped: any stride reads the same elements
+            strides = [1 if same_size(size, 1) else _spelled(stride, symbols) for size, stride in zip(rebuilt.shape, rebuilt.stride())]
             is_view = rebuilt._base is k_all._base and is_concrete_int(rebuilt.storage_offset())
             same_shape = len(rebuilt.shape) == len(val(replaced).shape) and all(
                 same_size(a, b) for a, b in zip(rebuilt.shape, val(replaced).shape)
             )
-            found.append((strides, int(rebuilt.storage_offset())) if is_view and same_shape and None not in strides else None)
+            spelled = None not in sizes and None not in strides
+            found.append((sizes, strides, int(rebuilt.storage_offset())) if is_view and same_shape and spelled else None)
     return found
 
