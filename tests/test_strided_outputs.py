@@ -8,6 +8,7 @@ each) keep the plain rebuild, which is already a view.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import Phase, given, settings
@@ -16,6 +17,8 @@ from torch import nn
 
 import fx_fusion.backend  # noqa: F401  (registers the backend)
 from fx_fusion.diagnostics import RecordSink
+
+pytestmark = pytest.mark.usefixtures("fresh_compile")  # caches off: each example's pass really runs
 
 HIDDEN = 48
 aten = torch.ops.aten
