@@ -183,6 +183,23 @@ class _GraphBuilder:
             with self.fake_mode:
                 node.meta["val"] = node.target(*fake_args, **fake_kwargs)
 
+    def value(self, node: torch.fx.Node):
+        """`node`'s fake value (given now if it had none yet), or None without a fake mode."""
+        self._give_value(node)
+        return node.meta.get("val")
+
+    def discard(self, node: torch.fx.Node) -> None:
+        """Remove `node`, which nothing reads, and the added nodes that only it read."""
+        stack = [node]
+        while stack:
+            unused = stack.pop()
+            if unused.users or unused not in self.created:
+                continue
+            stack.extend(unused.all_input_nodes)
+            self.graph.erase_node(unused)
+            self.created.remove(unused)
+            self._unvalued.discard(unused)
+
     def erase(self) -> None:
         """Remove every node added so far (none of them has outside users yet)."""
         for node in reversed(self.created):
@@ -650,7 +667,6 @@ def _rewrite_group(
             for table in (branch.rotary.cos, branch.rotary.sin):
                 table_sizes[table.node] = _rotary_table_sizes(table.node, branch, hidden)
     before = _region_text(graph, projections, branches)
-    views = _views_of_token_major(graph, fake_mode, branches, blocks_of, (n_blocks, val(x2d).shape[0], unit, head_dim)) if split_heads else {}
 
     # The replacement goes just before the first projection, so that every reader of a replaced node
     # follows it; inputs formed later (e.g. tables a layer computes after its projections) move there
@@ -722,17 +738,10 @@ def _rewrite_group(
                 # a layer in several blocks (Q beside K) reads its blocks as one [tokens, heads] view
                 **({"token_major": True} if split_heads else {}),
             )
-            if views and not strided_outputs.is_token_major(val(k_all)):  # not the layout the views assume
-                views = {}
-            new_outputs, block = [], 0
+            new_outputs, block, strided_views = [], 0, 0
+            symbols = kv_patterns.symbol_inputs(graph) if split_heads else {}
             for branch in branches:
                 count = blocks_of[id(branch)]
-                if branch.output in views:  # query heads read in place (strided_outputs)
-                    sizes, strides, offset = views[branch.output]
-                    sizes, strides = ([strided_outputs.spell(builder, t) for t in terms] for terms in (sizes, strides))
-                    new_outputs.append((branch.output, builder.call(aten.as_strided.default, k_all, sizes, strides, offset)))
-                    block += count
-                    continue
                 if branch.source.roles is not None:  # a strided piece (litgpt): its K, re-laid out
                     k_branch = _strided_piece(builder, k_all, block, count, branch.source)
                     block += count
@@ -748,6 +757,11 @@ def _rewrite_group(
                 shape = branch.source.output_shape(branch.features) or [-1, branch.n_layers * branch.features]
                 k_branch = builder.call(aten.reshape.default, k_branch, shape)
                 k_branch = builder.replay(branch.layout_before_norm + branch.layout_after_norm, k_branch)
+                # a layer's query heads over several blocks: read in place where that is a view (strided_outputs)
+                view = strided_outputs.as_strided_view(builder, k_all, k_branch, symbols) if split_heads else None
+                if view is not None:
+                    builder.discard(k_branch)
+                    k_branch, strided_views = view, strided_views + 1
                 new_outputs.append((branch.output, k_branch))
             pieces = []
             for projection in projections:
@@ -788,22 +802,9 @@ def _rewrite_group(
         layers=[node_location(b.projection.node) for b in branches],
         layer_heads=[b.heads.num_heads for b in branches for _ in range(b.n_layers)],
         cache_writes=cache_note,
-        strided_views=len(views),
+        strided_views=strided_views,
     )
     return group, in_order
-
-
-def _views_of_token_major(graph, fake_mode, branches: list[KBranch], blocks_of: dict, k_all_shape: tuple) -> dict:
-    """{replaced node: (sizes, strides, offset)} for each branch output of a token-major group that is a
-    strided view of the op's output (`strided_outputs`); strided pieces (their own re-layout) are left out."""
-    outputs, block = [], 0
-    for branch in branches:
-        count = blocks_of[id(branch)]
-        shape = branch.source.output_shape(branch.features) or [-1, branch.n_layers * branch.features]
-        outputs.append((block, count, shape, branch.layout_before_norm + branch.layout_after_norm, branch.output))
-        block += count
-    found = strided_outputs.views_of_token_major(fake_mode, k_all_shape, outputs, kv_patterns.symbol_inputs(graph))
-    return {b.output: view for b, view in zip(branches, found) if view is not None and b.source.roles is None}
 
 
 def _strided_piece(builder: _GraphBuilder, k_all: torch.fx.Node, block: int, count: int, source) -> torch.fx.Node:

@@ -8,12 +8,12 @@ Inductor sees a reshape of a non-contiguous buffer, which it cannot express as a
 Q before every attention call. One `as_strided` of the op's output says the same thing as a view, so
 attention reads Q in place (and writes its output in Q's layout, which the output projection reads as is).
 
-Why it is safe: each branch's rebuild runs on fake values from a token-major output first. Only where the
-result is a view of that output, of the replaced node's shape, does the pass use `as_strided`, with that
-view's strides and offset; a view is fully defined by them, so every element is the one the rebuild
-reads. The offset must be a number, and each size and stride a number or a product of the graph's symbol
-inputs times one (dynamic shapes: a batch's stride is tokens per sequence times the row width, a flat
-token count batch times tokens); anything else keeps the plain rebuild.
+Why it is safe: each branch's output is first built as the model spells it, on the op's fake output.
+Only where that value is a view of the op's output does the pass swap it for one `as_strided` with the
+view's sizes, strides and offset; a view is fully defined by them, so every element is the one the
+rebuild reads. The offset must be a number, and each size and stride a number or a product of the
+graph's symbol inputs times one (dynamic shapes: a batch's stride is tokens per sequence times the row
+width, a flat token count batch times tokens); anything else keeps the plain rebuild.
 """
 
 from __future__ import annotations
@@ -25,18 +25,9 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-from .kv_patterns import same_size, val
+from .kv_patterns import same_size
 
-
-def _rebuilt(k_all: torch.Tensor, block: int, count: int, shape: list, chain: list[torch.fx.Node]) -> torch.Tensor:
-    """A branch's output built from `k_all` as the pass builds it: its blocks reshaped to `shape` (its
-    source's), then the layout ops the model applied."""
-    piece = k_all[block] if count == 1 else k_all[block : block + count].permute(1, 0, 2, 3)
-    piece = piece.reshape(shape)
-    for node in chain:
-        args, kwargs = torch.fx.map_arg((node.args[1:], node.kwargs), val)
-        piece = node.target(piece, *args, **kwargs)
-    return piece
+aten = torch.ops.aten
 
 
 def _spelled(value, symbols: dict):
@@ -73,32 +64,20 @@ def is_token_major(k_all: torch.Tensor) -> bool:
     return same_size(k_all.storage_offset(), 0) and all(same_size(a, b) for a, b in zip(k_all.stride(), dense))
 
 
-def views_of_token_major(fake_mode, k_all_shape: tuple, outputs: list[tuple], symbols: dict) -> list[Optional[tuple]]:
-    """Per branch, (sizes, strides, storage offset) of its output as a view of the op's token-major output
-    (sizes and strides as `_spelled` terms), or None where the rebuild is not such a view or cannot be
-    spelled. `k_all_shape`: the output's [n_blocks, total_ctx, unit, head_dim]; `outputs`: per branch
-    (first block, blocks, source shape, layout chain, the replaced node); `symbols`: {symbol: the graph
-    input holding it}."""
-    if fake_mode is None:
-        return [None] * len(outputs)
-    n_blocks, tokens, unit, head_dim = k_all_shape
-    found = []
-    with fake_mode:  # k_all as materialize_k(..., token_major=True) lays it out (its fake kernel's strides)
-        k_all = torch.empty((tokens, n_blocks, unit, head_dim), dtype=torch.int8).permute(1, 0, 2, 3)
-        for block, count, shape, chain, replaced in outputs:
-            try:
-                rebuilt = _rebuilt(k_all, block, count, torch.fx.map_arg(shape, val), chain)
-            except Exception:  # a layout op that does not apply to a plain tensor: keep the plain rebuild
-                found.append(None)
-                continue
-            sizes = [_spelled(size, symbols) for size in rebuilt.shape]
-            # a dim of size one is never stepped: any stride reads the same elements
-            strides = [1 if same_size(size, 1) else _spelled(stride, symbols) for size, stride in zip(rebuilt.shape, rebuilt.stride())]
-            is_view = rebuilt._base is k_all._base and is_concrete_int(rebuilt.storage_offset())
-            same_shape = len(rebuilt.shape) == len(val(replaced).shape) and all(
-                same_size(a, b) for a, b in zip(rebuilt.shape, val(replaced).shape)
-            )
-            spelled = None not in sizes and None not in strides
-            found.append((sizes, strides, int(rebuilt.storage_offset())) if is_view and same_shape and spelled else None)
-    return found
-
+def as_strided_view(builder, k_all: torch.fx.Node, rebuilt: torch.fx.Node, symbols: dict) -> Optional[torch.fx.Node]:
+    """`rebuilt`, a branch's output built from the op's output `k_all` as the model spells it, as one
+    `as_strided` node of `k_all` (built with `builder`), or None where its value is not such a view or its
+    sizes, strides or offset cannot be spelled. `symbols`: {symbol: the graph input holding it}."""
+    k_val, value = builder.value(k_all), builder.value(rebuilt)
+    if k_val is None or value is None or not is_token_major(k_val):
+        return None
+    root = k_val if k_val._base is None else k_val._base
+    if value._base is not root or not is_concrete_int(value.storage_offset()):
+        return None
+    sizes = [_spelled(size, symbols) for size in value.shape]
+    # a dim of size one is never stepped: any stride reads the same elements
+    strides = [1 if same_size(size, 1) else _spelled(stride, symbols) for size, stride in zip(value.shape, value.stride())]
+    if None in sizes or None in strides:
+        return None
+    sizes, strides = ([spell(builder, term) for term in terms] for terms in (sizes, strides))
+    return builder.call(aten.as_strided.default, k_all, sizes, strides, int(value.storage_offset()))
