@@ -9,12 +9,15 @@ Workloads (the K/V projections of fx_fusion.drafts.WORKLOADS, realistic preset: 
     qwen3-8b-dflash   G = 10  (5 layers)
     llama3-8b-ctx     G = 10  (5 layers; the same projection shapes as qwen3-8b-dflash)
     qwen3-1layer      G = 2   (1 layer)
+    llama3-8b-qkv     G = 6   (one Llama-3-8B layer's Q, K and V: Q's 4096 rows as 4 blocks of 1024)
 
 Each weight is its own allocation (as the parameters of separate modules are). Columns, microseconds per
 call (x [N, 4096] -> out [N, G * 1024], one preallocated out):
 
     grouped      launch_grouped_gemv(x, weights, biases, out): one launch per 16 weights, weights read in place
     per_weight   torch.mm(x, w_i.t(), out=out[:, i*R:(i+1)*R]) for every i (torch.addmm with --bias)
+    streamsS     (--streams) per_weight with weight i's GEMM on side stream i % S, forked from and joined
+                 back to the current stream (S = 2, 3, 5; small GEMMs side by side)
     concat       torch.mm(x, w_cat.t(), out=out), w_cat pre-concatenated once (a reference: it needs a second
                  copy of the weights)
     cfg[T:N:K:W(:S(:P))] launch_grouped_gemv with BLOCK_T:BLOCK_N:BLOCK_K:num_warps(:split_k(:num_stages)) overrides
@@ -40,7 +43,7 @@ inputs (weights, x, out) to exceed --rotate-bytes, and the time is divided by th
 
 Before timing, every candidate's output (NaN-poisoned first) is checked against `concat` (relative
 Frobenius error < 1e-2, all elements written); a failing candidate is marked FAIL and not timed. N above
-grouped_gemv.MAX_TOKENS (64) is still timed (the launcher takes any N) but the dispatcher would not pick
+grouped_gemv.max_tokens(G) is still timed (the launcher takes any N) but the dispatcher would not pick
 the kernel there; such rows are marked. Prints a table and writes JSON to --out.
 """
 
@@ -61,7 +64,6 @@ import triton
 from fx_fusion import cuda_graphs
 from fx_fusion.kernels.fused_kv_materialize import launch_fused_kv_materialize
 from fx_fusion.kernels.grouped_gemv import (
-    MAX_TOKENS,
     KEpilogue,
     default_launch_config,
     epilogue_launch_config,
@@ -75,6 +77,7 @@ WORKLOADS = {  # name: number of weights [KV_SIZE, HIDDEN] (k_proj and v_proj of
     "qwen3-8b-dflash": 10,
     "llama3-8b-ctx": 10,
     "qwen3-1layer": 2,
+    "llama3-8b-qkv": 6,
 }
 DEFAULT_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -123,7 +126,9 @@ class Inputs:
         )  # fmt: skip
 
 
-def make_candidates(configs: list[tuple[int, int, int, int]], epilogue: bool) -> dict[str, Callable[[Inputs], None]]:
+def make_candidates(
+    configs: list[tuple[int, int, int, int]], epilogue: bool, streams: bool = False
+) -> dict[str, Callable[[Inputs], None]]:
     def grouped(t: Inputs) -> None:
         launch_grouped_gemv(t.x, t.weights, t.biases, t.out, k_epilogue=t.epilogue)
 
@@ -138,6 +143,27 @@ def make_candidates(configs: list[tuple[int, int, int, int]], epilogue: bool) ->
             else:
                 torch.mm(t.x, w.t(), out=o)
 
+    def on_streams(count: int) -> Callable[[Inputs], None]:
+        """per_weight with weight i's GEMM on side stream i % count (forked from and joined back to the
+        current stream): GEMMs too small to fill the GPU run side by side."""
+        side = []
+
+        def run(t: Inputs) -> None:
+            side.extend(torch.cuda.Stream() for _ in range(count - len(side)))
+            main = torch.cuda.current_stream()
+            for s in side:
+                s.wait_stream(main)
+            for i, (w, o) in enumerate(zip(t.weights, t.out_slices)):
+                with torch.cuda.stream(side[i % count]):
+                    if t.biases:
+                        torch.addmm(t.biases[i], t.x, w.t(), out=o)
+                    else:
+                        torch.mm(t.x, w.t(), out=o)
+            for s in side:
+                main.wait_stream(s)
+
+        return run
+
     def concat(t: Inputs) -> None:
         if t.b_cat is not None:
             torch.addmm(t.b_cat, t.x, t.w_cat.t(), out=t.out)
@@ -148,6 +174,8 @@ def make_candidates(configs: list[tuple[int, int, int, int]], epilogue: bool) ->
 
     candidates: dict[str, Callable[[Inputs], None]] = {"grouped": grouped}
     candidates.update({"separate": separate} if epilogue else {"per_weight": per_weight})
+    if streams and not epilogue:
+        candidates.update({f"streams{n}": on_streams(n) for n in (2, 3, 5)})
     candidates["concat"] = concat
     for cfg in configs:
         overrides = {k: v for k, v in zip(("block_t", "block_n", "block_k", "num_warps", "split_k", "num_stages"), cfg) if v}
@@ -213,7 +241,7 @@ def bench_row(name: str, g: int, n: int, args: argparse.Namespace, device: torch
         "times_us": {},
         "errors": {},
     }
-    candidates = make_candidates(args.configs, args.epilogue)
+    candidates = make_candidates(args.configs, args.epilogue, args.streams)
     # Reference: the concatenated GEMM (then the materialization kernel).
     candidates["concat"](first)
     ref = first.out.clone()
@@ -279,7 +307,7 @@ def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
             config,
         ]
         log("| " + " | ".join(cells) + " |")
-    log(f"(* N > MAX_TOKENS = {MAX_TOKENS}: grouped_gemv_supported refuses it; timed anyway)")
+    log("(* N > grouped_gemv.max_tokens(G): grouped_gemv_supported refuses it; timed anyway)")
 
 
 def parse_configs(text: str) -> list[tuple[int, ...]]:
@@ -316,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         "(0 = heuristic), comma-separated, e.g. 16:0:0:0,0:64:0:8,16:64:128:4:4",
     )
     parser.add_argument("--epilogue", action="store_true", help="K norm/RoPE in the epilogue (see above)")
+    parser.add_argument("--streams", action="store_true", help="also the per-weight GEMMs on side streams")
     parser.add_argument("--out", default="bench_grouped_gemv.json", help="JSON output path")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -345,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
                 times = ", ".join(f"{k} {fmt(v)}" for k, v in row["times_us"].items())
                 log(f"[{name} N={n}] {times}; floor {row['floor_us']:.1f} us ({row['copies']} copies)")
                 torch.cuda.empty_cache()
-    columns = list(make_candidates(args.configs, args.epilogue))
+    columns = list(make_candidates(args.configs, args.epilogue, args.streams))
     log("")
     print_table(rows, columns)
     with open(args.out, "w") as f:

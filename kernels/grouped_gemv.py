@@ -10,7 +10,7 @@
 
 accumulated in float32 and rounded once to out's dtype (bias added in float32 before that rounding).
 
-When it is used: few tokens (N <= MAX_TOKENS), e.g. the K/V projections of every layer of a multi-layer
+When it is used: few tokens (N <= `max_tokens(G)`), e.g. the K/V projections of every layer of a multi-layer
 draft over the same context hidden states at decode time. There the work is bound by reading the weights
 once, and one launch over weights that stay where they are beats G separate GEMMs (G launches) without
 paying for a stacked copy of the weights (memory) or a per-call concatenation (bandwidth).
@@ -53,7 +53,9 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 MAX_WEIGHTS_PER_LAUNCH = 16
-MAX_TOKENS = 128  # above this, one cuBLAS GEMM per weight is faster (measured on an H200)
+MAX_TOKENS = 128  # above this, one cuBLAS GEMM per weight is faster for a few weights (measured on an H200)
+MAX_TOKENS_MANY_WEIGHTS = 256  # ... and above this even for MANY_WEIGHTS or more (measured on an H200)
+MANY_WEIGHTS = 6
 MAX_EPILOGUE_TOKENS = 32  # above this, the K norm/RoPE as a kernel of its own is faster (measured on an H200)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_GRID_COLUMN_BLOCKS = 65535  # CUDA's limit on a grid's second axis, which counts column blocks
@@ -344,8 +346,8 @@ def grouped_gemv_unsupported_reason(
         return f"empty weights ({rows} x {k})"
     if x.shape[1] != k:
         return f"x has {x.shape[1]} features, the weights {k}"
-    if n > MAX_TOKENS:
-        return f"N = {n} tokens > MAX_TOKENS = {MAX_TOKENS}"
+    if n > max_tokens(len(weights)):
+        return f"N = {n} tokens > {max_tokens(len(weights))}, the most the kernel serves for {len(weights)} weights"
     if tuple(out.shape) != (n, len(weights) * rows):
         return f"out is {tuple(out.shape)}, expected {(n, len(weights) * rows)}"
     if len(weights) * rows >= 2**31:
@@ -361,6 +363,15 @@ def grouped_gemv_unsupported_reason(
         if any(bi.dtype != w.dtype or bi.device != w.device or bi.stride() != b.stride() for bi in biases):
             return "biases differ from the weights in dtype or device, or from each other in stride"
     return None
+
+
+def max_tokens(n_weights: int) -> int:
+    """The most tokens the grouped kernel serves for `n_weights` weights; past it one cuBLAS GEMM per weight
+    is faster. Each such GEMM is small and leaves most SMs idle, so the kernel keeps the lead longer the more
+    weights it computes at once: [1024, 4096] weights on an H200, T = 256, 10 / 6 / 2 weights: kernel 59.4 /
+    35.3 / 35.0 us, a GEMM per weight 96.5 / 58.2 / 19.4; at T = 512 the GEMMs win for all three
+    (benchmarks/RESULTS.md)."""
+    return MAX_TOKENS_MANY_WEIGHTS if n_weights >= MANY_WEIGHTS else MAX_TOKENS
 
 
 def grouped_gemv_supported(
@@ -562,7 +573,7 @@ def launch_grouped_gemv(
     `k_epilogue_unsupported_reason` first; block_n is then the head dim).
 
     Arguments as in the module docstring; call `grouped_gemv_supported` first (not re-checked here; any N
-    works, but beyond MAX_TOKENS the weights are read once per BLOCK_T tokens). CPU tensors run through
+    works, but beyond `max_tokens` the weights are read once per BLOCK_T tokens). CPU tensors run through
     the Triton interpreter. `block_t` / `block_n` / `block_k` / `num_warps` / `split_k` / `num_stages`
     override the heuristic (tuning only; block sizes powers of 2, each at least 16; split_k >= 1; without
     num_stages, Triton's default pipelining).

@@ -5,9 +5,10 @@
 
 Every weight is read where it lives: nothing is stacked, copied or re-homed, so a module's parameters, their
 storage, `state_dict()`, pickles and in-place updates stay exactly the user's. For a few tokens on CUDA
-(`grouped_gemv.MAX_TOKENS` or fewer), one Triton launch computes every linear (weights of different row
-counts as row blocks of their gcd), so that all SMs stream weights at once; otherwise each linear is one GEMM writing straight into its column slice of `out` (a row-major slice
-is a valid GEMM output with the full row as leading dimension, so nothing is copied).
+(`grouped_gemv.max_tokens` or fewer), one Triton launch computes every linear (weights of different row
+counts as row blocks of their gcd), so that all SMs stream weights at once; otherwise each linear is one
+GEMM writing straight into its column slice of `out` (a row-major slice is a valid GEMM output with the
+full row as leading dimension, so nothing is copied).
 
 Defined with the low-level `torch.library.Library` API (schema + implementation + fake): it sits on the hot
 path of every compiled call, and this API dispatches straight to the implementation.

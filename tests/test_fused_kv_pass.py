@@ -679,17 +679,19 @@ def test_fx_graph_cache_serves_the_rewritten_graph(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("seq_len", [5, 200])
+@pytest.mark.parametrize("seq_len", [5, 200, 300])
 @pytest.mark.parametrize("options", [{}, {"cpp_wrapper": True}, {"max_autotune": True}], ids=["python", "cpp", "autotune"])
 def test_inductor_generates_the_fused_code(device, seq_len, options):
     """The fused op reaches Inductor as code, not as an op call: on CUDA a launch of our Triton kernels from
-    Inductor's generated code (few tokens: the grouped GEMM with the K epilogue; more: cuBLAS GEMMs and the
-    materialization kernel), elsewhere the op's math compiled with the graph."""
+    Inductor's generated code (few tokens: the grouped GEMM with the K epilogue; more: the grouped GEMM, then
+    the materialization kernel; many: cuBLAS GEMMs and the materialization kernel), elsewhere the op's math
+    compiled with the graph."""
     if options.get("max_autotune") and device != "cuda":
         pytest.skip("max-autotune benchmarks GPU kernels")
     if seq_len > grouped_gemv.MAX_TOKENS and device != "cuda":
         pytest.skip("the many-token path differs from the few-token one on CUDA only")
-    module = drafts.qwen3_context_kv(3, dtype=torch.bfloat16, device=device)
+    n_layers = 3
+    module = drafts.qwen3_context_kv(n_layers, dtype=torch.bfloat16, device=device)
     inputs = drafts.example_inputs(module, seq_len=seq_len)
     records = []
     with torch.no_grad(), RecordSink.collect(records):
@@ -703,6 +705,10 @@ def test_inductor_generates_the_fused_code(device, seq_len, options):
         assert records[0].ops_inlined == 2 and "fx_fusion.grouped_linear" not in code
         assert records[0].gemm_epilogues == 1, records[0].gemm_epilogue_notes
         assert "_fused_kv_materialize_kernel" not in code and "_grouped_gemv_kernel" in code
+    elif device == "cuda" and seq_len <= grouped_gemv.max_tokens(2 * n_layers):  # K and V of every layer
+        assert records[0].ops_inlined == 2 and "fx_fusion.grouped_linear" not in code
+        assert records[0].gemm_epilogues == 0
+        assert "_grouped_gemv_kernel" in code and "_fused_kv_materialize_kernel" in code
     elif device == "cuda":  # one GEMM per weight into column slices, then the materialization kernel
         assert records[0].ops_inlined == 2 and "fx_fusion.grouped_linear" not in code
         assert records[0].gemm_epilogues == 0 and "_grouped_gemv_kernel" not in code

@@ -17,7 +17,9 @@ from hypothesis import strategies as st
 
 from fx_fusion.kernels import grouped_gemv as gg
 from fx_fusion.kernels.grouped_gemv import (
+    MANY_WEIGHTS,
     MAX_TOKENS,
+    MAX_TOKENS_MANY_WEIGHTS,
     MAX_WEIGHTS_PER_LAUNCH,
     grouped_gemv_supported,
     grouped_gemv_unsupported_reason,
@@ -244,8 +246,8 @@ def test_weights_of_different_rows_run_as_row_blocks(bias: bool, device: str) ->
 
 
 def test_more_tokens_than_max_tokens(device: str) -> None:
-    """The launcher itself takes any N (several token blocks), though the dispatcher stops at MAX_TOKENS."""
-    case = Case(n=MAX_TOKENS + 5, k=20, rows=16, dtype=torch.bfloat16, bias=False)
+    """The launcher itself takes any N (several token blocks), though the dispatcher stops at max_tokens."""
+    case = Case(n=gg.max_tokens(2) + 5, k=20, rows=16, dtype=torch.bfloat16, bias=False)
     gen = torch.Generator().manual_seed(2)
     x = make_x(case, device, gen)
     weights, biases = make_weights(case, device, gen)
@@ -308,7 +310,8 @@ def _refusals():
     yield "out dtype differs", (x, ws, bs, out.float())
     yield "K differs", (x[:, :7], ws, bs, out)
     yield "out shape", (x, ws, bs, out[:, :7])
-    yield "too many tokens", _args(n=MAX_TOKENS + 1)
+    yield "too many tokens", _args(n=MAX_TOKENS + 1, g=MANY_WEIGHTS - 1)
+    yield "too many tokens for many weights", _args(n=MAX_TOKENS_MANY_WEIGHTS + 1, g=MANY_WEIGHTS)
     yield "bias count", (x, ws, bs[:1], out)
     yield "bias shape", (x, ws, [bs[0], torch.randn(5).bfloat16()], out)
     yield "bias dtype", (x, ws, [b.float() for b in bs], out)
@@ -329,6 +332,7 @@ def test_supported_and_cpu_needs_interpreter(monkeypatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert grouped_gemv_supported(*args)
     assert grouped_gemv_supported(*_args(bias=False, dtype=torch.float32))
+    assert grouped_gemv_supported(*_args(n=MAX_TOKENS_MANY_WEIGHTS, g=MANY_WEIGHTS))  # more weights, more tokens
     monkeypatch.delenv("TRITON_INTERPRET")
     assert "TRITON_INTERPRET" in grouped_gemv_unsupported_reason(*args)
 
