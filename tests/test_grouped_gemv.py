@@ -26,6 +26,7 @@ from fx_fusion.kernels.grouped_gemv import (
     grouped_linear_reference,
     launch_grouped_gemv,
 )
+from fx_fusion.kernels import grouped_linear as grouped_linear_module
 from fx_fusion.kernels.grouped_linear import equal_row_blocks
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -243,6 +244,21 @@ def test_weights_of_different_rows_run_as_row_blocks(bias: bool, device: str) ->
     assert equal_row_blocks(weights[1:], biases[1:])[0] == weights[1:]  # equal rows: left as they are
     narrow = [weights[0][:96], weights[1]]  # gcd 32 < MIN_BLOCK_ROWS: no blocks (per-weight GEMMs)
     assert equal_row_blocks(narrow, [])[0] == narrow
+
+
+def test_token_limit_counts_the_weights_as_given(device: str, monkeypatch) -> None:
+    """Past MAX_TOKENS the op launches the kernel for six or more weights, and counts weights as given: a
+    GQA layer's Q, K and V (6 row blocks, but 3 GEMMs, one of them 4x larger) stay GEMMs."""
+    launches = []
+    monkeypatch.setattr(grouped_linear_module, "launch_grouped_gemv", lambda *a, **k: launches.append(1) or launch_grouped_gemv(*a, **k))
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(MAX_TOKENS + 1, 40, generator=gen).to(device)
+    for rows, launched in [((16,) * MANY_WEIGHTS, True), ((16,) * (MANY_WEIGHTS - 1), False), ((4 * 64, 64, 64), False)]:
+        weights = [torch.randn(r, 40, generator=gen).to(device) for r in rows]
+        launches.clear()
+        out = torch.ops.fx_fusion.grouped_linear(x, weights, [])
+        assert bool(launches) == launched, rows
+        assert_matches_reference(out, x, weights, [])
 
 
 def test_more_tokens_than_max_tokens(device: str) -> None:
