@@ -367,10 +367,10 @@ def grouped_gemv_unsupported_reason(
 
 def max_tokens(n_weights: int) -> int:
     """The most tokens the grouped kernel serves for `n_weights` weights (the GEMMs it replaces, one per
-    weight); past it one cuBLAS GEMM per weight is faster. Each such GEMM is small and leaves most SMs idle, so the kernel keeps the lead longer the more
-    weights it computes at once: [1024, 4096] weights on an H200, T = 256, 10 / 6 / 2 weights: kernel 59.4 /
-    35.3 / 35.0 us, a GEMM per weight 96.5 / 58.2 / 19.4; at T = 512 the GEMMs win for all three
-    (benchmarks/RESULTS.md)."""
+    weight); past it one cuBLAS GEMM per weight is faster. Each such GEMM is small and leaves most SMs
+    idle, so the kernel keeps the lead longer the more weights it computes at once: [1024, 4096] weights on
+    an H200, T = 256, 10 / 6 / 2 weights: kernel 59.4 / 35.3 / 35.0 us, a GEMM per weight 96.5 / 58.2 /
+    19.4; at T = 512 the GEMMs win for all three (benchmarks/RESULTS.md)."""
     return MAX_TOKENS_MANY_WEIGHTS if n_weights >= MANY_WEIGHTS else MAX_TOKENS
 
 

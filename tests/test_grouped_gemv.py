@@ -250,7 +250,12 @@ def test_token_limit_counts_the_weights_as_given(device: str, monkeypatch) -> No
     """Past MAX_TOKENS the op launches the kernel for six or more weights, and counts weights as given: a
     GQA layer's Q, K and V (6 row blocks, but 3 GEMMs, one of them 4x larger) stay GEMMs."""
     launches = []
-    monkeypatch.setattr(grouped_linear_module, "launch_grouped_gemv", lambda *a, **k: launches.append(1) or launch_grouped_gemv(*a, **k))
+
+    def counted_launch(*args, **kwargs):
+        launches.append(args)
+        launch_grouped_gemv(*args, **kwargs)
+
+    monkeypatch.setattr(grouped_linear_module, "launch_grouped_gemv", counted_launch)
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(MAX_TOKENS + 1, 40, generator=gen).to(device)
     for rows, launched in [((16,) * MANY_WEIGHTS, True), ((16,) * (MANY_WEIGHTS - 1), False), ((4 * 64, 64, 64), False)]:
