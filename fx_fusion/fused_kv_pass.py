@@ -813,7 +813,7 @@ def _strided_piece(builder: _GraphBuilder, k_all: torch.fx.Node, block: int, cou
     shape = list(val(source.node).shape)
     token_axes = sorted((a for a, (role, _) in enumerate(source.roles) if role == "token"), key=lambda a: source.roles[a][1])
     head_axes = [a for a, (role, _) in enumerate(source.roles) if role == "head"]
-    token_sizes = _size_args(builder.graph, [shape[a] for a in token_axes])
+    token_sizes = _size_args(builder, [shape[a] for a in token_axes])
     if count == 1:  # [tokens, H, D]
         piece = builder.call(aten.select.int, k_all, 0, block)
     else:  # its heads in `count` blocks: [tokens, count, unit, D]
@@ -831,15 +831,15 @@ def _strided_piece(builder: _GraphBuilder, k_all: torch.fx.Node, block: int, cou
     return piece
 
 
-def _size_args(graph: torch.fx.Graph, sizes: list) -> list:
-    """`sizes` as a reshape's size arguments: a number as it is, a symbolic size as the graph input that
-    holds its symbol (dynamo passes each free symbol of a dynamic shape as an input), one other as -1;
-    NoMatch when more are left (the reshape could not be spelled)."""
-    symbols = kv_patterns.symbol_inputs(graph)
-    args = [size if isinstance(size, int) else symbols.get(size.node.expr, -1) for size in sizes]
-    if args.count(-1) > 1:
+def _size_args(builder: _GraphBuilder, sizes: list) -> list:
+    """`sizes` as a reshape's size arguments: a number as it is, a symbolic size as the graph inputs that
+    hold its symbols (dynamo passes each free symbol of a dynamic shape as an input; a product of them is
+    built with `builder`), one other as -1; NoMatch when more are left (the reshape could not be spelled)."""
+    symbols = kv_patterns.symbol_inputs(builder.graph)
+    terms = [strided_outputs.spelled(size, symbols) for size in sizes]
+    if terms.count(None) > 1:
         raise NoMatch("a strided K piece has token axes of symbolic sizes that are not graph inputs")
-    return args
+    return [-1 if term is None else strided_outputs.spell(builder, term) for term in terms]
 
 
 def _region_text(graph, projections: list[Projection], branches: list[KBranch]) -> str:

@@ -30,7 +30,7 @@ from .kv_patterns import same_size
 aten = torch.ops.aten
 
 
-def _spelled(value, symbols: dict):
+def spelled(value, symbols: dict):
     """A size or stride as the graph can spell it: a number, or (graph inputs, factor) for a product of graph
     inputs' symbols times a number (a batch's stride under dynamic shapes: tokens per sequence times the row
     width); None otherwise. `symbols`: {symbol: the graph input holding it}."""
@@ -46,7 +46,7 @@ def _spelled(value, symbols: dict):
 
 
 def spell(builder, term):
-    """A `_spelled` term as an argument of a new node: the number, or the product built with `builder`."""
+    """A `spelled` term as an argument of a new node: the number, or the product built with `builder`."""
     if isinstance(term, int):
         return term
     inputs, factor = term
@@ -74,9 +74,9 @@ def as_strided_view(builder, k_all: torch.fx.Node, rebuilt: torch.fx.Node, symbo
     root = k_val if k_val._base is None else k_val._base
     if value._base is not root or not is_concrete_int(value.storage_offset()):
         return None
-    sizes = [_spelled(size, symbols) for size in value.shape]
+    sizes = [spelled(size, symbols) for size in value.shape]
     # a dim of size one is never stepped: any stride reads the same elements
-    strides = [1 if same_size(size, 1) else _spelled(stride, symbols) for size, stride in zip(value.shape, value.stride())]
+    strides = [1 if same_size(size, 1) else spelled(stride, symbols) for size, stride in zip(value.shape, value.stride())]
     if None in sizes or None in strides:
         return None
     sizes, strides = ([spell(builder, term) for term in terms] for terms in (sizes, strides))
