@@ -315,9 +315,15 @@ def _interpretable_helpers():
 
 
 def grouped_gemv_unsupported_reason(
-    x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor], out: torch.Tensor
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor],
+    out: torch.Tensor,
+    gemms: int | None = None,
 ) -> str | None:
-    """None when `launch_grouped_gemv(x, weights, biases, out)` applies, else why not (one line)."""
+    """None when `launch_grouped_gemv(x, weights, biases, out)` applies, else why not (one line). `gemms`:
+    how many GEMMs the launch replaces (default one per weight; fewer when the weights are row blocks of
+    larger ones), which sets the token limit (`max_tokens`)."""
     if not weights:
         return "no weights"
     w = weights[0]
@@ -346,8 +352,9 @@ def grouped_gemv_unsupported_reason(
         return f"empty weights ({rows} x {k})"
     if x.shape[1] != k:
         return f"x has {x.shape[1]} features, the weights {k}"
-    if n > max_tokens(len(weights)):
-        return f"N = {n} tokens > {max_tokens(len(weights))}, the most the kernel serves for {len(weights)} weights"
+    gemms = len(weights) if gemms is None else gemms
+    if n > max_tokens(gemms):
+        return f"N = {n} tokens > {max_tokens(gemms)}, the most the kernel serves in place of {gemms} GEMMs"
     if tuple(out.shape) != (n, len(weights) * rows):
         return f"out is {tuple(out.shape)}, expected {(n, len(weights) * rows)}"
     if len(weights) * rows >= 2**31:
@@ -375,10 +382,14 @@ def max_tokens(n_weights: int) -> int:
 
 
 def grouped_gemv_supported(
-    x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor], out: torch.Tensor
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor],
+    out: torch.Tensor,
+    gemms: int | None = None,
 ) -> bool:
     """Whether the grouped kernel applies (see `grouped_gemv_unsupported_reason` for why not)."""
-    return grouped_gemv_unsupported_reason(x, weights, biases, out) is None
+    return grouped_gemv_unsupported_reason(x, weights, biases, out, gemms) is None
 
 
 class KEpilogue(NamedTuple):

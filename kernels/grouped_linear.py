@@ -30,7 +30,6 @@ from .grouped_gemv import (
     grouped_gemv_unsupported_reason,
     k_epilogue_unsupported_reason,
     launch_grouped_gemv,
-    max_tokens,
 )
 
 _library = torch.library.Library("fx_fusion", "FRAGMENT")
@@ -52,16 +51,12 @@ def equal_row_blocks(weights: Sequence[torch.Tensor], biases: Sequence[torch.Ten
     return [b for w in weights for b in blocks(w)], [b for bias in biases for b in blocks(bias)]
 
 
-def _grouped_kernel_serves(x: torch.Tensor, weights: list, blocks: list, bias_blocks: list, out: torch.Tensor) -> bool:
-    """Whether the grouped kernel computes these linears (as `blocks`): it takes them, and the tokens are few
-    enough for the GEMMs it replaces, one per weight as given (a Q weight of 4 blocks is one larger GEMM)."""
-    return x.shape[0] <= max_tokens(len(weights)) and grouped_gemv_supported(x, blocks, bias_blocks, out)
-
-
 def grouped_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> torch.Tensor:
     out = x.new_empty((x.shape[0], sum(w.shape[0] for w in weights)))
     blocks, bias_blocks = equal_row_blocks(weights, biases)
-    if _grouped_kernel_serves(x, weights, blocks, bias_blocks, out):  # CUDA (or CPU with TRITON_INTERPRET=1)
+    # CUDA (or CPU with TRITON_INTERPRET=1); the token limit counts the weights as given (a Q weight of 4
+    # blocks is one larger GEMM)
+    if grouped_gemv_supported(x, blocks, bias_blocks, out, gemms=len(weights)):
         launch_grouped_gemv(x, blocks, bias_blocks, out)
         return out
     column = 0
@@ -87,7 +82,7 @@ def grouped_linear_body(x: torch.Tensor, weights: list[torch.Tensor], biases: li
     if x.is_cuda and not isinstance(x.shape[0], torch.SymInt):
         out = x.new_empty((x.shape[0], sum(w.shape[0] for w in weights)))
         blocks, bias_blocks = equal_row_blocks(weights, biases)
-        if _grouped_kernel_serves(x, weights, blocks, bias_blocks, out):
+        if grouped_gemv_supported(x, blocks, bias_blocks, out, gemms=len(weights)):
             launch_grouped_gemv(x, blocks, bias_blocks, out, traceable=True)
             return out
     linears = [torch.addmm(biases[i], x, w.t()) if biases else torch.mm(x, w.t()) for i, w in enumerate(weights)]

@@ -354,6 +354,8 @@ def test_supported_and_cpu_needs_interpreter(monkeypatch) -> None:
     assert grouped_gemv_supported(*args)
     assert grouped_gemv_supported(*_args(bias=False, dtype=torch.float32))
     assert grouped_gemv_supported(*_args(n=MAX_TOKENS_MANY_WEIGHTS, g=MANY_WEIGHTS))  # more weights, more tokens
+    # ... counted as the GEMMs they replace: row blocks of fewer, larger weights keep the lower limit
+    assert not grouped_gemv_supported(*_args(n=MAX_TOKENS + 1, g=MANY_WEIGHTS), gemms=MANY_WEIGHTS - 1)
     monkeypatch.delenv("TRITON_INTERPRET")
     assert "TRITON_INTERPRET" in grouped_gemv_unsupported_reason(*args)
 
