@@ -29,8 +29,8 @@ K head is also normalised (per-layer [128] weights) and rotated (per-token cos/s
 [L, N, 8, 128], and the columns become:
 
     grouped      launch_grouped_gemv(..., k_epilogue=...): the norm/RoPE in the GEMM's epilogue, one launch
-    separate     the grouped kernel, then the materialization kernel over its K heads (two launches; the
-                 norm weights pre-stacked, so no gather)
+    separate     the grouped kernel, then the materialization kernel over its K heads (two launches; each
+                 reads the per-layer norm weights where they are)
     concat       the pre-concatenated cuBLAS GEMM, then the materialization kernel
     cfg[...]     the epilogue launch with overrides (BLOCK_N is always the head dim)
 
@@ -108,7 +108,6 @@ class Inputs:
         if epilogue:  # K of layer l in columns [l * KV_SIZE, (l + 1) * KV_SIZE)
             layers = g // 2
             self.norms = [randn(HEAD_DIM) + 1 for _ in range(layers)]
-            self.norm_table = torch.stack(self.norms)
             angles = torch.rand(n, HEAD_DIM // 2, generator=gen, device=device) * 6
             cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
             self.k_out = torch.empty(layers, n, KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
@@ -121,7 +120,7 @@ class Inputs:
         """The materialization kernel over the K heads of out into k_out (the second launch)."""
         e = self.epilogue
         launch_fused_kv_materialize(
-            self.k_proj, None, self.norm_table, None, 1e-6, e.cos, e.sin, None, self.k_out, None, KV_HEADS, HEAD_DIM,
+            self.k_proj, None, self.norms, None, 1e-6, e.cos, e.sin, None, self.k_out, None, KV_HEADS, HEAD_DIM,
             HEAD_DIM, False, 0.0, False, True,
         )  # fmt: skip
 

@@ -69,6 +69,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import fx_fusion.kernels.ops  # noqa: F401  (registers fx_fusion::materialize_*)
 import fx_fusion.kernels.grouped_linear  # noqa: F401  (registers fx_fusion::grouped_linear)
+from fx_fusion.kernels.fused_kv_materialize import MAX_NORM_WEIGHTS_PER_LAUNCH
 
 from . import cache_writes, kv_patterns, op_lowering, probe_sizes, rotary_action, rotary_angles, scatter_forwarding, strided_outputs, token_cats
 from .diagnostics import FusedGroup, PassRecord, RecordSink, Rejection, node_location
@@ -647,8 +648,11 @@ def _rewrite_group(
 
     x2d = min(p.x2d for p in projections)
     norm_weights = [b.norm.weight for b in branches] if first.norm and first.norm.weight is not None else []
-    # One [head_dim] weight per block: the op reads them where they are; else they are gathered into a table.
-    one_weight_per_block = all(b.n_layers == 1 and val(w).dim() == 1 for b, w in zip(branches, norm_weights))
+    # One [head_dim] weight per layer: the op reads them where they are, each once per block of its layer's
+    # heads (Q's weight for each of its blocks beside K's); else they are gathered into a table.
+    one_weight_per_layer = all(b.n_layers == 1 and val(w).dim() == 1 for b, w in zip(branches, norm_weights))
+    per_block_weights = [w for b, w in zip(branches, norm_weights) for _ in range(blocks_of[id(b)])]
+    weights_in_place = one_weight_per_layer and len(per_block_weights) <= MAX_NORM_WEIGHTS_PER_LAUNCH
     eps_nodes = [b.norm.eps for b in branches for _ in range(blocks_of[id(b)]) if first.norm and isinstance(b.norm.eps, torch.fx.Node)]
     table_kind, cache_positions = _shared_rotary_tables(branches, same_value)
     if cache_positions is not None:
@@ -694,7 +698,9 @@ def _rewrite_group(
                 norm_weights = [builder.call(
                     aten.full.default, [n_blocks, head_dim], 1.0, dtype=val(x2d).dtype, device=val(x2d).device
                 )]  # fmt: skip
-            elif norm_weights and (split_heads or (len(norm_weights) > 1 and not one_weight_per_block)):  # a table
+            elif weights_in_place:
+                norm_weights = per_block_weights
+            elif norm_weights and (split_heads or len(norm_weights) > 1):  # a table
                 rows = []  # (the parameters stay where they are)
                 for branch, weight in zip(branches, norm_weights):
                     row = builder.call(aten.reshape.default, weight, [-1, 1, head_dim])

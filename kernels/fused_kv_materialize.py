@@ -67,6 +67,9 @@ from triton.runtime.interpreter import InterpretedFunction
 # Rows are (token, head) pairs; the kernel computes row / column indices in int32.
 MAX_ROWS_PER_LAYER = 2**31 - 2**20
 
+# K-norm weights: a [n_layers, head_dim] table, n_layers tensors of [head_dim], or None (no norm)
+NormWeight = torch.Tensor | Sequence[torch.Tensor] | None
+
 
 def _fused_kv_materialize_kernel(
     k_proj_ptr,
@@ -76,7 +79,9 @@ def _fused_kv_materialize_kernel(
     slots_ptr,
     k_scale_ptr,
     v_scale_ptr,
-    norm_weight_ptr,
+    norm_weight_ptr, norm_weight1, norm_weight2, norm_weight3, norm_weight4, norm_weight5, norm_weight6,
+    norm_weight7, norm_weight8, norm_weight9, norm_weight10, norm_weight11, norm_weight12, norm_weight13,
+    norm_weight14, norm_weight15,
     eps_ptr,
     cos_ptr,
     sin_ptr,
@@ -131,6 +136,7 @@ def _fused_kv_materialize_kernel(
     NORM_WEIGHT_IN_FLOAT32: tl.constexpr,
     NORM_ROUND_BEFORE_ROPE: tl.constexpr,
     NUM_OUT_BUFFERS: tl.constexpr,
+    NUM_NORM_WEIGHTS: tl.constexpr,
     USE_SLOTS: tl.constexpr,
     K_SCALED: tl.constexpr,
     V_SCALED: tl.constexpr,
@@ -213,7 +219,16 @@ def _fused_kv_materialize_kernel(
         else:
             eps = EPS
         inv_rms = tl.rsqrt(sum_sq / HEAD_DIM + eps)[:, None]
-        weight_row = norm_weight_ptr + layer * stride_weight_layer
+        # One [n_layers, head_dim] table (layer stride), or one pointer per layer (layer stride 0)
+        norm_weights = (
+            norm_weight_ptr, norm_weight1, norm_weight2, norm_weight3, norm_weight4, norm_weight5, norm_weight6,
+            norm_weight7, norm_weight8, norm_weight9, norm_weight10, norm_weight11, norm_weight12, norm_weight13,
+            norm_weight14, norm_weight15,
+        )  # fmt: skip
+        weight_base = norm_weight_ptr
+        for i in tl.static_range(1, NUM_NORM_WEIGHTS):
+            weight_base = tl.where(layer == i, norm_weights[i], weight_base)
+        weight_row = weight_base + layer * stride_weight_layer
         # round(round(x * inv_rms) * w), the two roundings of `weight * hidden.to(input_dtype)`, or with
         # NORM_WEIGHT_IN_FLOAT32 round(x * inv_rms * w): x * inv_rms is then "rounded" to float32, a no-op.
         # Without NORM_ROUND_BEFORE_ROPE, (x * inv_rms * w) stays float32 too; only the final store rounds.
@@ -422,12 +437,33 @@ class CacheWrite(NamedTuple):
 
 
 MAX_CACHES_PER_LAUNCH = 8  # per K and per V: the kernel's pointer arguments k_out, k_out1 .. k_out7
+MAX_NORM_WEIGHTS_PER_LAUNCH = 16  # norm_weight_ptr, norm_weight1 .. norm_weight15
+
+
+def norm_weight_pointers(norm_weight: NormWeight) -> list[torch.Tensor] | None:
+    """The per-layer K-norm weights as the kernel's separate pointer arguments, or None where one
+    [n_layers, head_dim] table is read instead (a table given; more layers than pointer arguments; weights
+    whose element strides differ)."""
+    if norm_weight is None or isinstance(norm_weight, torch.Tensor):
+        return None
+    weights = list(norm_weight)
+    if len(weights) > MAX_NORM_WEIGHTS_PER_LAUNCH or len({w.stride() for w in weights}) > 1:
+        return None
+    return weights
+
+
+def norm_weight_table(norm_weight: NormWeight, n_layers: int, head_dim: int) -> torch.Tensor | None:
+    """[n_layers, head_dim]: a table as given, per-layer weights gathered (n_layers * head_dim elements;
+    the parameters themselves are never moved)."""
+    if norm_weight is None or isinstance(norm_weight, torch.Tensor):
+        return norm_weight
+    return torch.stack(list(norm_weight)).view(n_layers, head_dim)
 
 
 def launch_fused_kv_materialize(
     k_proj: torch.Tensor,
     v_proj: torch.Tensor | None,
-    norm_weight: torch.Tensor | None,
+    norm_weight: NormWeight,
     eps: torch.Tensor | None,
     eps_value: float,
     cos: torch.Tensor,
@@ -454,13 +490,15 @@ def launch_fused_kv_materialize(
 
     k_proj, v_proj: [total_ctx, n_layers, num_kv_heads, head_dim] or [total_ctx, n_layers, num_kv_heads *
     head_dim] (v_proj like k_proj, or None), any strides. k_out, v_out: [n_layers, total_ctx, num_kv_heads,
-    head_dim], any strides. norm_weight: [n_layers, head_dim] or None (no K norm). eps: [n_layers] or None
-    (use eps_value). positions None: `cos`, `sin` are per-token tables, [total_ctx, rotary_dim] shared by
-    every layer or [n_layers, total_ctx, rotary_dim] one per layer (both the same rank); else `cos` is the
-    cos/sin cache [max_pos, rotary_dim], `positions` [total_ctx] (any stride) and `sin` is ignored. The norm
-    multiplies by norm_weight + norm_weight_offset, rounding once (norm_weight_in_float32) or twice (module
-    docstring), and rounds the normalised K before RoPE unless `norm_round_before_rope` is False (float32
-    through RoPE; only meaningful with norm_weight_in_float32). `interpret` runs the kernel through Triton's
+    head_dim], any strides. norm_weight: a [n_layers, head_dim] table, n_layers tensors of [head_dim] (read
+    where they are, as separate pointers, up to MAX_NORM_WEIGHTS_PER_LAUNCH; gathered into a table past
+    that) or None (no K norm). eps: [n_layers] or None (use eps_value). positions None: `cos`, `sin` are
+    per-token tables, [total_ctx, rotary_dim] shared by every layer or [n_layers, total_ctx, rotary_dim]
+    one per layer (both the same rank); else `cos` is the cos/sin cache [max_pos, rotary_dim], `positions`
+    [total_ctx] (any stride) and `sin` is ignored. The norm multiplies by norm_weight + norm_weight_offset,
+    rounding once (norm_weight_in_float32) or twice (module docstring), and rounds the normalised K before
+    RoPE unless `norm_round_before_rope` is False (float32 through RoPE; only meaningful with
+    norm_weight_in_float32). `interpret` runs the kernel through Triton's
     interpreter (CPU tensors); `traceable` launches through `torch.library.wrap_triton`, so that tracing
     records the launch for Inductor. `block_rows` / `num_warps` override the launch heuristic (tuning only).
     Caches are written MAX_CACHES_PER_LAUNCH layers per launch.
@@ -480,6 +518,9 @@ def launch_fused_kv_materialize(
     use_positions = positions is not None
     has_norm = norm_weight is not None
     has_eps_tensor = has_norm and eps is not None
+    weight_pointers = norm_weight_pointers(norm_weight)
+    if weight_pointers is None:
+        norm_weight = norm_weight_table(norm_weight, n_layers, head_dim)
     meta = dict(
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
@@ -526,7 +567,13 @@ def launch_fused_kv_materialize(
             args.update(_named("stride_v_", ("token", "layer", "head", "elem"), head_strides(v_proj, head_dim)))
             args.update(_named("v_out", ["_ptr", *range(1, len(v_outs))], v_outs))
             args.update(_named("stride_vo_", ("layer", "token", "head", "dim"), out_strides[4:]))
-        if has_norm:
+        num_norm_weights = 1
+        if weight_pointers is not None:
+            weights = weight_pointers[layers]
+            num_norm_weights = len(weights)
+            args.update(_named("norm_weight", ["_ptr", *range(1, num_norm_weights)], weights))
+            args.update(stride_weight_layer=0, stride_weight_dim=weights[0].stride(0))
+        elif has_norm:
             args.update(norm_weight_ptr=norm_weight[layers])
             args.update(_named("stride_weight_", ("layer", "dim"), norm_weight.stride()))
         if has_eps_tensor:
@@ -548,7 +595,7 @@ def launch_fused_kv_materialize(
             if meta["V_SCALED"]:
                 args.update(v_scale_ptr=cache.v_scale)
         grid = (triton.cdiv(num_rows, block_rows), count)
-        kernel[grid](*_in_kernel_order(args), **meta, NUM_OUT_BUFFERS=len(k_outs))
+        kernel[grid](*_in_kernel_order(args), **meta, NUM_OUT_BUFFERS=len(k_outs), NUM_NORM_WEIGHTS=num_norm_weights)
 
     with contextlib.ExitStack() as stack:
         if interpret:
@@ -606,7 +653,7 @@ def _rotate_partner(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
 
 def materialized_k_torch(
     k_proj: torch.Tensor,
-    norm_weight: torch.Tensor | None,
+    norm_weight: NormWeight,
     eps: torch.Tensor | None,
     eps_value: float,
     cos: torch.Tensor,
@@ -626,6 +673,7 @@ def materialized_k_torch(
     n_layers = k_proj.shape[1]
     kv_dtype = k_proj.dtype
     k = as_heads(k_proj, num_kv_heads, head_dim).float()  # [T, L, H, D]
+    norm_weight = norm_weight_table(norm_weight, n_layers, head_dim)
     if norm_weight is not None:
         eps_per_layer = eps.float().view(1, n_layers, 1, 1) if eps is not None else eps_value
         inv_rms = torch.rsqrt(k.square().mean(dim=-1, keepdim=True) + eps_per_layer)
@@ -646,7 +694,7 @@ def materialized_k_torch(
 def fused_kv_materialize_torch(
     k_proj: torch.Tensor,
     v_proj: torch.Tensor | None,
-    norm_weight: torch.Tensor | None,
+    norm_weight: NormWeight,
     eps: torch.Tensor | None,
     eps_value: float,
     cos: torch.Tensor,

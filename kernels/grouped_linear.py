@@ -22,9 +22,9 @@ from typing import Sequence
 import torch
 
 from . import ops
+from .fused_kv_materialize import norm_weight_pointers, norm_weight_table
 from .grouped_gemv import (
     MAX_EPILOGUE_TOKENS,
-    MAX_WEIGHTS_PER_LAUNCH,
     KEpilogue,
     grouped_gemv_supported,
     grouped_gemv_unsupported_reason,
@@ -125,9 +125,11 @@ def grouped_linear_k_epilogue_body(
     else:
         k_out = x.new_empty((n_blocks, n_tokens, c.num_kv_heads, c.head_dim))
     blocks, bias_blocks = equal_row_blocks(weights, biases)
-    norm_weights = list(c.k_norm_weight)
-    if len(norm_weights) > MAX_WEIGHTS_PER_LAUNCH or len({w.stride() for w in norm_weights}) > 1:
-        norm_weights = [ops._stacked_norm_weight(norm_weights, c.k_proj.shape[1], c.head_dim)]
+    norm_weight = ops._norm_weight(c.k_norm_weight)
+    norm_weights = norm_weight_pointers(norm_weight)
+    if norm_weights is None:  # one table (or no norm)
+        table = norm_weight_table(norm_weight, n_blocks, c.head_dim)
+        norm_weights = [] if table is None else [table]
     epilogue = KEpilogue(
         k_out, *k_columns, norm_weights, c.eps, c.eps_value, c.cos, c.sin, c.positions, c.rotary_dim,
         c.interleaved, c.norm_weight_offset, c.norm_weight_in_float32, c.norm_round_before_rope,

@@ -56,6 +56,7 @@ import torch
 from .fused_kv_materialize import (
     FP8_CACHE_DTYPES,
     CacheWrite,
+    NormWeight,
     cache_view,
     fused_kv_materialize_torch,
     launch_fused_kv_materialize,
@@ -503,16 +504,14 @@ def _common_and_token_major(args: tuple, kwargs: dict) -> tuple[tuple, bool]:
     return args[:_N_COMMON], bool(args[_N_COMMON] if len(args) > _N_COMMON else kwargs.get("token_major", False))
 
 
-def _stacked_norm_weight(
-    k_norm_weight: Sequence[torch.Tensor], n_layers: int, head_dim: int
-) -> Optional[torch.Tensor]:
-    """[n_layers, head_dim] K-norm weights, or None; separate per-layer weights are gathered per call
-    (n_layers * head_dim elements: the parameters themselves are never moved or re-homed)."""
+def _norm_weight(k_norm_weight: Sequence[torch.Tensor]) -> NormWeight:
+    """The op's k_norm_weight as the kernels take it: None (no norm), the [n_layers, head_dim] table, or the
+    per-layer weights, which the kernel reads where they are (the parameters are never moved or re-homed)."""
     if not k_norm_weight:
         return None
     if len(k_norm_weight) == 1 and k_norm_weight[0].dim() == 2:
         return k_norm_weight[0]
-    return torch.stack(list(k_norm_weight)).view(n_layers, head_dim)
+    return list(k_norm_weight)
 
 
 def _run_triton(*args, cache: Optional[CacheWrite] = None) -> None:
@@ -532,7 +531,7 @@ def _run_cpu(*args, cache: Optional[CacheWrite] = None) -> None:
 def _launch(backend, common: tuple, v_proj, k_out, v_out, cache: Optional[CacheWrite] = None) -> None:
     """Run `backend` (`_run_triton` or `_run_cpu`) on validated arguments."""
     c = CommonArgs(*common)
-    norm_weight = _stacked_norm_weight(c.k_norm_weight, c.k_proj.shape[1], c.head_dim)
+    norm_weight = _norm_weight(c.k_norm_weight)
     backend(
         c.k_proj, v_proj, norm_weight, c.eps, c.eps_value, c.cos, c.sin, c.positions, k_out, v_out,
         c.num_kv_heads, c.head_dim, c.rotary_dim, c.interleaved, c.norm_weight_offset, c.norm_weight_in_float32,
@@ -592,7 +591,7 @@ def materialize_k_body(*args, **kwargs) -> torch.Tensor:
     common, token_major = _common_and_token_major(args, kwargs)
     _validate(common)
     c = CommonArgs(*common)
-    norm_weight = _stacked_norm_weight(c.k_norm_weight, c.k_proj.shape[1], c.head_dim)
+    norm_weight = _norm_weight(c.k_norm_weight)
     if not c.k_proj.is_cuda:
         k_out = materialized_k_torch(
             c.k_proj, norm_weight, c.eps, c.eps_value, c.cos, c.sin, c.positions, c.num_kv_heads, c.head_dim,
@@ -615,7 +614,7 @@ def materialize_kv_to_cache_body(*args) -> None:
     the same math in PyTorch ops with static shapes (Inductor compiles it with the rest of the graph)."""
     common, v_proj, cache = _cache_write(args)
     c = CommonArgs(*common)
-    norm_weight = _stacked_norm_weight(c.k_norm_weight, c.k_proj.shape[1], c.head_dim)
+    norm_weight = _norm_weight(c.k_norm_weight)
     arguments = (
         c.k_proj, v_proj, norm_weight, c.eps, c.eps_value, c.cos, c.sin, c.positions, None, None,
         c.num_kv_heads, c.head_dim, c.rotary_dim, c.interleaved, c.norm_weight_offset, c.norm_weight_in_float32,

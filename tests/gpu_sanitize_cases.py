@@ -43,6 +43,7 @@ CASES = {
     "per-layer-tables-strided-partial-rotary": Case(rope="per_layer_strided", head_dim=80, rotary_dim=48,
                                                     interleaved=True, num_kv_heads=3),
     "grouped-heads-4d-padded": Case(proj="grouped", head_dim=80, rotary_dim=40, num_kv_heads=3, total_ctx=9),
+    "per-layer-norm-pointers-16": Case(norm="per_layer", n_layers=16, total_ctx=5, head_dim=80, rotary_dim=40),
 }
 
 
@@ -118,7 +119,10 @@ def main() -> int:
     for layout in LAYOUTS:  # slots of -1 and past the cache skipped, guard regions around every cache
         for dtype in (torch.bfloat16, torch.float8_e4m3fn):
             checks[f"cache-write-{layout}-{str(dtype)[6:]}"] = functools.partial(check_cache_write, layout, dtype, "cuda")
-    checks["cache-write-11-layers"] = functools.partial(check_cache_write, "static", torch.bfloat16, "cuda", n_layers=11)
+    for norm in ("stacked", "per_layer"):  # 8 layers per launch; per-layer norm weights as pointers
+        checks[f"cache-write-11-layers-{norm}"] = functools.partial(
+            check_cache_write, "static", torch.bfloat16, "cuda", n_layers=11, norm=norm
+        )
     for name in ("one_token", "partial_token_tile", "two_launches", "split_k", "qkv_groups", "token_major",
                  "positions_interleaved", "partial_rotary", "per_layer_tables", "bias"):  # fmt: skip
         checks[f"k-epilogue-{name}"] = functools.partial(check_k_epilogue, EPILOGUE_CASES[name], "cuda")

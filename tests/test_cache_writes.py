@@ -45,14 +45,20 @@ def test_op_writes_every_layer_at_its_slots(layout: str, cache_dtype: torch.dtyp
     check_cache_write(layout, cache_dtype, device)
 
 
-def test_op_writes_more_layers_than_one_launch_takes(device: str) -> None:
-    check_cache_write("static", torch.bfloat16, device, n_layers=11)  # launched 8 layers at a time
+@pytest.mark.parametrize("norm", ["stacked", "per_layer"])
+def test_op_writes_more_layers_than_one_launch_takes(norm: str, device: str) -> None:
+    """Launched 8 layers at a time; per-layer norm weights go to each launch as its layers' pointers."""
+    check_cache_write("static", torch.bfloat16, device, n_layers=11, norm=norm)
 
 
-def check_cache_write(layout: str, cache_dtype: torch.dtype, device: str, n_layers: int = 3) -> None:
+def check_cache_write(
+    layout: str, cache_dtype: torch.dtype, device: str, n_layers: int = 3, norm: str = "stacked"
+) -> None:
     """Poisoned caches (inside guard regions) written by the op, against the float64 reference: every
     named slot holds its token's K/V, every other slot and the guards stay NaN."""
-    case = Case(total_ctx=9, n_layers=n_layers, num_kv_heads=2, head_dim=64, rope="per_token", dtype=torch.bfloat16)
+    case = Case(
+        total_ctx=9, n_layers=n_layers, num_kv_heads=2, head_dim=64, rope="per_token", dtype=torch.bfloat16, norm=norm
+    )
     inputs = make_inputs(case, device)
     k_ref, v_ref = reference(case, inputs)  # [L, T, H, D] float64
     batches, per_batch = 2, 8

@@ -19,6 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fx_fusion.kernels.fused_kv_materialize import norm_weight_pointers
 from fx_fusion.kernels.ops import fused_norm_rope_stacked
 from fx_fusion.strided_outputs import is_token_major
 
@@ -426,6 +427,25 @@ def test_per_layer_weights_match_stacked(device: str) -> None:
     k_out, v_out = OPS.materialize_kv(*per_layer.common(case), inputs.v_proj(case))
     torch.testing.assert_close(k_out, stacked[0], rtol=0, atol=0)
     assert torch.equal(v_out, stacked[1])
+
+
+@pytest.mark.parametrize("form", ["strided", "repeated", "many", "mixed_strides"])
+def test_per_layer_norm_weights_read_in_place(form: str, device: str) -> None:
+    """Per-layer K-norm weights are read where they are, as the kernel's pointer arguments (up to
+    MAX_NORM_WEIGHTS_PER_LAUNCH of one element stride: views with stride 2, one weight for several layers as
+    Q's blocks have), else gathered into a table (more layers, mixed strides); each matches the reference."""
+    case = Case(dtype=torch.float32, n_layers=18 if form == "many" else 5, norm="per_layer", rope="per_token")
+    inputs = make_inputs(case, device)
+    weights = inputs.k_norm_weight
+    if form == "strided":
+        weights = [torch.stack([torch.randn_like(w), w], dim=-1)[..., 1] for w in weights]
+    elif form == "repeated":
+        weights = [weights[0], weights[0], weights[1], weights[1], weights[2]]
+    elif form == "mixed_strides":
+        weights = [w if i % 2 else torch.stack([w, -w], dim=-1)[..., 0] for i, w in enumerate(weights)]
+    in_place = norm_weight_pointers(weights) is not None
+    assert in_place == (form in ("strided", "repeated"))
+    check_all_variants(case, dataclasses.replace(inputs, k_norm_weight=weights))
 
 
 def test_cache_and_per_token_rope_agree(device: str) -> None:

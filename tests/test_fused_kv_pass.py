@@ -51,6 +51,7 @@ class CountingPass(fx_fusion.FusedKVPass):
         self.before = collections.Counter(n.target for n in graph.nodes if n.op == "call_function")
         super().__call__(graph)
         self.after = collections.Counter(n.target for n in graph.nodes if n.op == "call_function")
+        self.norm_weights = [n.args[1] for n in graph.nodes if n.target == FUSED_OP]  # each call's k_norm_weight
 
 
 def assert_close_outputs(got, ref, dtype):
@@ -295,20 +296,31 @@ class SharedInputQK(nn.Module):
         return tuple(outs)
 
 
-def test_all_layers_q_and_k_of_one_input_fuse_as_blocks_of_heads():
+@pytest.mark.parametrize("n_layers", [3, 6])
+def test_all_layers_q_and_k_of_one_input_fuse_as_blocks_of_heads(n_layers):
     """All layers' Q and K read one input: one group, the projections side by side in one grouped GEMM
-    (Q_0, K_0, Q_1, ...) so that their heads are evenly spaced blocks of gcd(4, 2) = 2 heads."""
+    (Q_0, K_0, Q_1, ...) so that their heads are evenly spaced blocks of gcd(4, 2) = 2 heads. The op reads
+    each block's norm weight where it is (Q's q_norm for both of its blocks), up to 16 blocks; past that
+    (6 layers: 18 blocks) from a table the graph gathers."""
     torch.manual_seed(0)
-    module = SharedInputQK()
+    module = SharedInputQK(n_layers)
     x, positions = torch.randn(2, 5, 64), torch.arange(5)[None] + 1
     counting = check_compiled_matches_eager(module, x, positions)
     (record,) = counting.records
     (group,) = record.fused_groups
-    assert (group.n_layers, group.num_kv_heads, group.layer_heads) == (6, 2, [4, 2] * 3), record
+    assert (group.n_layers, group.num_kv_heads, group.layer_heads) == (2 * n_layers, 2, [4, 2] * n_layers), record
+    (norm_weights,) = counting.norm_weights
+    if n_layers == 3:
+        assert all(w.op == "placeholder" for w in norm_weights) and len(norm_weights) == 9
+        assert [norm_weights.index(w) for w in norm_weights] == [0, 0, 2, 3, 3, 5, 6, 6, 8]
+    else:
+        (table,) = norm_weights
+        assert table.target == aten.cat.default and table.meta["val"].shape == (18, 16)
     assert not record.rejected, record.rejected
     assert counting.after[FUSED_OP] == 1 and counting.after[GROUPED_GEMM] == 1
     # every Q and K [B, heads, T, D] is one strided view of the token-major output (no reshape to copy)
-    assert group.strided_views == 6 and counting.after[aten.as_strided.default] == 6, record
+    views = 2 * n_layers
+    assert group.strided_views == views and counting.after[aten.as_strided.default] == views, record
     assert sum(counting.after[op] for op in PROJECTION_OPS) == 0 and counting.after[aten.rsqrt.default] == 0
 
 
