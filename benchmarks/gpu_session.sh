@@ -2,7 +2,7 @@
 # One GPU session: CUDA tests, the memory checker on the kernel, the benchmarks, the host-cost breakdown.
 #   OUT=/some/dir bash benchmarks/gpu_session.sh [tests] [sanitize] [bench_op] [bench_gemv] [bench_module]
 #       [bench_module_quick] [bench_whole] [bench_whole_mid] [host] [bench_draft_ctx] [bench_draft_step] [demo] [tests_cache]
-#       [bench_gemv_epilogue] [bench_module_epilogue]
+#       [bench_gemv_epilogue] [bench_module_epilogue] [bench_uncaptured]
 # Installs the checkout editable first (offline: the build needs setuptools>=77 already installed), so
 # everything runs against the installed package; logs go to $OUT.
 set -uo pipefail
@@ -31,6 +31,7 @@ for step in "${steps[@]}"; do
     bench_module_epilogue) timeout 400 python benchmarks/bench_module.py --seq-lens 1,16,32 --columns ind_graph,frz_graph,sglang_graph,fxf,fxf_graph,fxf_sep,fxf_sep_graph --out "$OUT/module_epilogue" 2>&1 | tail -n 20 ;;
     bench_module) timeout 540 python benchmarks/bench_module.py --out "$OUT" 2>&1 | tail -n 60 ;;
     host) timeout 240 python benchmarks/host_overhead.py --out "$OUT" 2>&1 | tail -n 60 ;;
+    bench_uncaptured) timeout 560 python benchmarks/bench_uncaptured.py --repeats 12 --out "$OUT" 2>&1 | tail -n 24 ;;
     bench_module_quick) timeout 400 python benchmarks/bench_module.py --quick --out "$OUT" 2>&1 | tail -n 40 ;;
     bench_whole) timeout 480 python benchmarks/bench_whole_model.py --device cuda --quick --out "$OUT/whole" 2>&1 | tail -n 40 ;;
     bench_draft_ctx) timeout 560 python benchmarks/bench_draft_step.py --parts context --out "$OUT" 2>&1 | tail -n 40 ;;
