@@ -763,8 +763,9 @@ def test_grouped_kernel_launch_options_in_inductor_code(n_layers, tokens, expect
 def test_many_tokens_on_cuda_run_cublas_from_inductor_code():
     """Past the grouped kernel's token count the projections are cuBLAS GEMMs launched by Inductor (into
     column slices of one output), not a Python-level op call."""
-    module = drafts.qwen3_context_kv(3, dtype=torch.bfloat16, device="cuda")
-    inputs = drafts.example_inputs(module, seq_len=200)
+    n_layers = 3
+    module = drafts.qwen3_context_kv(n_layers, dtype=torch.bfloat16, device="cuda")
+    inputs = drafts.example_inputs(module, seq_len=grouped_gemv.max_tokens(2 * n_layers) + 1)  # K and V each
     records = []
     with torch.no_grad(), RecordSink.collect(records):
         got, codes = torch._inductor.utils.run_and_get_code(torch.compile(module, backend="fx_fusion"), *inputs)
