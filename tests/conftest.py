@@ -5,9 +5,10 @@ import torch
 import torch._functorch.config
 import torch._inductor.config
 
-# The tests compile many tiny graphs. On CPU most of each compile is Inductor's vectorisation analysis
+# The tests compile many tiny graphs. On CPU much of each compile is Inductor's vectorisation analysis
 # and the C++ build of vectorised kernels, neither of which the pass changes; scalar C++ runs the same
-# graphs (the pass, the lowering and the numerics checks are unchanged) in about a fifth less time.
+# graphs (the pass, the lowering and the numerics checks are unchanged) in less time: the whole suite with
+# empty caches on 2 cores took 27.9 min against 33.6 min vectorised.
 torch._inductor.config.cpp.simdlen = 1
 
 
