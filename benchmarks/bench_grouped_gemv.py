@@ -10,6 +10,9 @@ Workloads (the K/V projections of fx_fusion.drafts.WORKLOADS, realistic preset: 
     llama3-8b-ctx     G = 10  (5 layers; the same projection shapes as qwen3-8b-dflash)
     qwen3-1layer      G = 2   (1 layer)
     llama3-8b-qkv     G = 6   (one Llama-3-8B layer's Q, K and V: Q's 4096 rows as 4 blocks of 1024)
+    qwen3-0.6b-qkv    G = 4   (with --hidden 1024: one Qwen3-0.6B layer's Q as 2 blocks, K and V)
+
+--hidden sets every weight's input features (default 4096).
 
 Each weight is its own allocation (as the parameters of separate modules are). Columns, microseconds per
 call (x [N, 4096] -> out [N, G * 1024], one preallocated out):
@@ -20,8 +23,8 @@ call (x [N, 4096] -> out [N, G * 1024], one preallocated out):
                  back to the current stream (S = 2, 3, 5; small GEMMs side by side)
     concat       torch.mm(x, w_cat.t(), out=out), w_cat pre-concatenated once (a reference: it needs a second
                  copy of the weights)
-    cfg[T:N:K:W(:S(:P))] launch_grouped_gemv with BLOCK_T:BLOCK_N:BLOCK_K:num_warps(:split_k(:num_stages)) overrides
-                 (--configs; 0 keeps the heuristic's value), for tuning
+    cfg[T:N:K:W(:S(:P(:M)))] launch_grouped_gemv with BLOCK_T:BLOCK_N:BLOCK_K:num_warps(:split_k(:num_stages(:masked_k)))
+                 overrides (--configs; 0 keeps the heuristic's value; M = 1: the K loop with its masks), for tuning
     floor        bytes(all weights (+ biases) + x + out) / --peak-bw (B/s; 4.8e12 = H200 HBM3e spec)
 
 With --epilogue the weights are ordered [K_0 .. K_{L-1}, V_0 .. V_{L-1}] (as the pass groups them), every
@@ -71,13 +74,14 @@ from fx_fusion.kernels.grouped_gemv import (
     launch_grouped_gemv,
 )
 
-HIDDEN, KV_HEADS, HEAD_DIM = 4096, 8, 128
+HIDDEN, KV_HEADS, HEAD_DIM = 4096, 8, 128  # HIDDEN: the default of --hidden
 KV_SIZE = KV_HEADS * HEAD_DIM
-WORKLOADS = {  # name: number of weights [KV_SIZE, HIDDEN] (k_proj and v_proj of every layer)
+WORKLOADS = {  # name: number of weights [KV_SIZE, hidden] (k_proj and v_proj of every layer)
     "qwen3-8b-dflash": 10,
     "llama3-8b-ctx": 10,
     "qwen3-1layer": 2,
     "llama3-8b-qkv": 6,
+    "qwen3-0.6b-qkv": 4,  # with --hidden 1024: one Qwen3-0.6B layer's Q (2 blocks of 1024 rows), K and V
 }
 DEFAULT_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -92,13 +96,21 @@ class Inputs:
     """One copy of a call's tensors: x, the separate weights (and biases), their concatenation, out."""
 
     def __init__(
-        self, n: int, g: int, dtype: torch.dtype, bias: bool, device: torch.device, gen: torch.Generator, epilogue: bool
+        self,
+        n: int,
+        g: int,
+        hidden: int,
+        dtype: torch.dtype,
+        bias: bool,
+        device: torch.device,
+        gen: torch.Generator,
+        epilogue: bool,
     ):
         def randn(*shape: int) -> torch.Tensor:
             return (torch.randn(*shape, generator=gen, device=device) * 0.05).to(dtype)
 
-        self.x = randn(n, HIDDEN)
-        self.weights = [randn(KV_SIZE, HIDDEN) for _ in range(g)]
+        self.x = randn(n, hidden)
+        self.weights = [randn(KV_SIZE, hidden) for _ in range(g)]
         self.biases = [randn(KV_SIZE) for _ in range(g)] if bias else []
         self.w_cat = torch.cat(self.weights)
         self.b_cat = torch.cat(self.biases) if bias else None
@@ -177,7 +189,8 @@ def make_candidates(
         candidates.update({f"streams{n}": on_streams(n) for n in (2, 3, 5)})
     candidates["concat"] = concat
     for cfg in configs:
-        overrides = {k: v for k, v in zip(("block_t", "block_n", "block_k", "num_warps", "split_k", "num_stages"), cfg) if v}
+        names = ("block_t", "block_n", "block_k", "num_warps", "split_k", "num_stages", "masked_k")
+        overrides = {k: v for k, v in zip(names, cfg) if v}
 
         def tuned(t: Inputs, overrides=overrides) -> None:
             launch_grouped_gemv(t.x, t.weights, t.biases, t.out, k_epilogue=t.epilogue, **overrides)
@@ -212,20 +225,21 @@ def time_graph(replay: Callable[[], Any], calls_per_replay: int, replays: int, r
 def bench_row(name: str, g: int, n: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     dtype = DTYPES[args.dtype]
     elt = torch.finfo(dtype).bits // 8
-    weight_bytes = g * KV_SIZE * (HIDDEN + (1 if args.bias else 0)) * elt
-    nbytes = weight_bytes + n * HIDDEN * elt + n * g * KV_SIZE * elt
+    hidden = args.hidden
+    weight_bytes = g * KV_SIZE * (hidden + (1 if args.bias else 0)) * elt
+    nbytes = weight_bytes + n * hidden * elt + n * g * KV_SIZE * elt
     if args.epilogue:  # and k_out
         nbytes += n * (g // 2) * KV_SIZE * elt
     copies = max(1, math.ceil(args.rotate_bytes / nbytes))
     gen = torch.Generator(device=device).manual_seed(0)
-    sets = [Inputs(n, g, dtype, args.bias, device, gen, args.epilogue) for _ in range(copies)]
+    sets = [Inputs(n, g, hidden, dtype, args.bias, device, gen, args.epilogue) for _ in range(copies)]
     first = sets[0]
     row: dict[str, Any] = {
         "workload": name,
         "N": n,
         "G": g,
         "R": KV_SIZE,
-        "K": HIDDEN,
+        "K": hidden,
         "dtype": args.dtype,
         "bias": args.bias,
         "bytes": nbytes,
@@ -233,9 +247,9 @@ def bench_row(name: str, g: int, n: int, args: argparse.Namespace, device: torch
         "floor_us": nbytes / args.peak_bw * 1e6,
         "grouped_supported": grouped_gemv_unsupported_reason(first.x, first.weights, first.biases, first.out) is None,
         "grouped_config": (
-            epilogue_launch_config(n, KV_SIZE, HIDDEN, min(g, 16), HEAD_DIM, dtype, device)
+            epilogue_launch_config(n, KV_SIZE, hidden, min(g, 16), HEAD_DIM, dtype, device)
             if args.epilogue
-            else default_launch_config(n, KV_SIZE, HIDDEN, min(g, 16), dtype, device)
+            else default_launch_config(n, KV_SIZE, hidden, min(g, 16), dtype, device)
         ),
         "times_us": {},
         "errors": {},
@@ -313,9 +327,9 @@ def parse_configs(text: str) -> list[tuple[int, ...]]:
     configs = []
     for item in filter(None, text.split(",")):
         parts = [int(p) for p in item.split(":")]
-        if len(parts) not in (4, 5, 6):
+        if len(parts) not in (4, 5, 6, 7):
             raise argparse.ArgumentTypeError(
-                f"config {item!r}: expected BLOCK_T:BLOCK_N:BLOCK_K:num_warps[:split_k[:num_stages]]"
+                f"config {item!r}: expected BLOCK_T:BLOCK_N:BLOCK_K:num_warps[:split_k[:num_stages[:masked_k]]]"
             )
         configs.append(tuple(parts))
     return configs
@@ -328,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, of: " + ", ".join(WORKLOADS))
     parser.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="comma-separated N values")
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--hidden", type=int, default=HIDDEN, help=f"input features of every weight (default {HIDDEN})")
     parser.add_argument("--bias", action="store_true", help="give every weight a bias")
     parser.add_argument("--peak-bw", type=float, default=4.8e12, help="bytes/s for the floor (default: H200, 4.8e12)")
     parser.add_argument("--replays", type=int, default=50, help="graph replays per timed run")

@@ -67,6 +67,7 @@ MIN_BLOCK_T = 16  # tl.dot's smallest tile
 BLOCK_K_BYTES = 512  # per weight row and K step: BLOCK_K = 256 for 16-bit weights, 128 for float32
 SPLIT_K_FEW_TOKENS, SPLIT_K_MORE_TOKENS = 8, 4  # K splits when even 16-row tiles leave SMs idle
 SPLIT_BLOCK_K_BYTES = 256
+SPLIT_MIN_ROW_BYTES = 8192  # past 16 tokens, split K only over weight rows this long (4096 bf16 features)
 EPILOGUE_TILE_BYTES = 32 * 1024  # a head-wide weight tile per pipeline stage, at most
 
 
@@ -127,6 +128,7 @@ def _grouped_gemv_kernel(
     INPUT_PRECISION: tl.constexpr,
     DOT_IN_FLOAT32: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
     K_EPILOGUE: tl.constexpr,
     ROTARY_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr,
@@ -149,6 +151,7 @@ def _grouped_gemv_kernel(
     stride_ps, stride_pn, 1) and counts itself in arrivals[tile] (int32, zero before the launch);
     the last split to arrive sums the partials in split order (the same sum whatever the arrival order)
     and writes the tile.
+    EVEN_K: K is a multiple of BLOCK_K (so every split is too): the K loop loads without a K mask.
     K_EPILOGUE (BLOCK_N = head_dim): a tile that is one K head also goes through the K norm and RoPE into
     k_out (`KEpilogue`); the partner element of each dim is re-read from the tile just stored.
     """
@@ -184,9 +187,13 @@ def _grouped_gemv_kernel(
     w_ptrs = w_ptr + rows.to(tl.int64)[None, :] * stride_wr + k_offsets[:, None] * stride_wk
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     for k_start in range(k_begin, k_end, BLOCK_K):
-        k_mask = (k_start + ks) < k_end
-        x = tl.load(x_ptrs, mask=tok_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_mask[:, None] & row_mask[None, :], other=0.0)
+        if EVEN_K:  # whole K steps: only the tile's token and row tails are masked
+            x = tl.load(x_ptrs, mask=tok_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=row_mask[None, :], other=0.0)
+        else:
+            k_mask = (k_start + ks) < k_end
+            x = tl.load(x_ptrs, mask=tok_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[:, None] & row_mask[None, :], other=0.0)
         if DOT_IN_FLOAT32:  # exact products of 16-bit values, float32 sums: the same math
             x = x.to(tl.float32)
             w = w.to(tl.float32)
@@ -469,10 +476,13 @@ def default_launch_config(
         tokens 64 for 64-wide tiles (with 4 pipeline stages: 35.2 us against 39.3 with Triton's default for
         5 layers' K and V at T = 128), else 128.
       - BLOCK_K at most the next power of 2 of K (at least 16); num_warps 4.
-      - Fewer programs than SMs even so (one layer's K and V: 2 x 1024 rows make 128 programs of 16 rows):
-        split K (SPLIT_K_FEW_TOKENS splits of 32-row tiles up to 16 tokens, SPLIT_K_MORE_TOKENS of 64-row
-        tiles above), BLOCK_K SPLIT_BLOCK_K_BYTES of a weight row (one layer at T = 1: 8.9 us against 11.5
-        unsplit and 9.6 for one cuBLAS GEMM over a stacked copy).
+      - Fewer programs than SMs even so (one layer's K and V: 2 x 1024 rows make 128 programs of 16 rows),
+        or, past 16 tokens, fewer than MIN_PROGRAMS_PER_SM per SM over weight rows of at least
+        SPLIT_MIN_ROW_BYTES: split K (SPLIT_K_FEW_TOKENS splits of 32-row tiles up to 16 tokens,
+        SPLIT_K_MORE_TOKENS of 64-row tiles above), BLOCK_K SPLIT_BLOCK_K_BYTES of a weight row (one layer
+        at T = 1: 8.9 us against 11.5 unsplit and 9.6 for one cuBLAS GEMM over a stacked copy; at T = 65-128,
+        256 programs of 16 rows: 12.7-13.1 us against 16.2-16.6 with rows of 4096 features, no gain with
+        2048, and splitting 4 weights of 1024 features was slower at every T tried).
       - CPU (the interpreter, tests): BLOCK_N 16, BLOCK_K 32, no split, so that small tests reach every tail.
     """
     k_cap = max(16, triton.next_power_of_2(k))
@@ -487,7 +497,9 @@ def default_launch_config(
             block_n = candidate
             break
     element_size = torch.empty((), dtype=dtype).element_size()
-    if token_blocks * n_weights * triton.cdiv(rows, block_n) < min_programs // MIN_PROGRAMS_PER_SM:
+    programs = token_blocks * n_weights * triton.cdiv(rows, block_n)
+    long_rows = k * element_size >= SPLIT_MIN_ROW_BYTES
+    if programs < min_programs // MIN_PROGRAMS_PER_SM or (n > 16 and programs < min_programs and long_rows):
         block_n, split_k = (32, SPLIT_K_FEW_TOKENS) if n <= 16 else (64, SPLIT_K_MORE_TOKENS)
         block_k = min(SPLIT_BLOCK_K_BYTES // element_size, k_cap)
         return {"BLOCK_T": block_t, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "SPLIT_K": split_k}
@@ -576,6 +588,7 @@ def launch_grouped_gemv(
     num_warps: int | None = None,
     split_k: int | None = None,
     num_stages: int | None = None,
+    masked_k: bool = False,
     k_epilogue: KEpilogue | None = None,
     traceable: bool = False,
 ) -> None:
@@ -587,7 +600,7 @@ def launch_grouped_gemv(
     works, but beyond `max_tokens` the weights are read once per BLOCK_T tokens). CPU tensors run through
     the Triton interpreter. `block_t` / `block_n` / `block_k` / `num_warps` / `split_k` / `num_stages`
     override the heuristic (tuning only; block sizes powers of 2, each at least 16; split_k >= 1; without
-    num_stages, Triton's default pipelining).
+    num_stages, Triton's default pipelining); `masked_k` keeps the K masks where BLOCK_K divides K (A/B only).
     `traceable` launches through `torch.library.wrap_triton`, so that tracing records the launch for Inductor.
     """
     n, k = x.shape
@@ -660,6 +673,7 @@ def launch_grouped_gemv(
             # "ieee": no TF32 for float32 inputs; "tf32" is ignored for 16-bit inputs.
             INPUT_PRECISION="ieee" if w.dtype == torch.float32 or dot_in_float32 else "tf32",
             DOT_IN_FLOAT32=dot_in_float32,
+            EVEN_K=k % config["BLOCK_K"] == 0 and not masked_k,
             **config,
             **epilogue_meta,
         )

@@ -100,6 +100,8 @@ GEMV_CASES = {
     "gemv-64-tokens-fp32-18-weights": dict(n=64, rows=16, hidden=96, n_weights=18, dtype=torch.float32, bias=False, strided=True),
     "gemv-split-k-3-tails": dict(n=5, rows=40, hidden=1000, n_weights=18, dtype=torch.bfloat16, bias=True, strided=True, split_k=3),
     "gemv-split-k-8-one-token": dict(n=1, rows=1024, hidden=4096, n_weights=2, dtype=torch.bfloat16, bias=False, strided=False, split_k=8),
+    # the heuristic's own split past 16 tokens (two weights of 4096 features), a partial token tile
+    "gemv-heuristic-split-100-tokens": dict(n=100, rows=1024, hidden=4096, n_weights=2, dtype=torch.bfloat16, bias=True, strided=False),
 }
 
 

@@ -205,6 +205,15 @@ def test_split_k(n: int, split_k: int, bias: bool, device: str) -> None:
     run_case(case, device, split_k=split_k, block_k=32 if device == "cpu" else 16)
 
 
+@pytest.mark.parametrize("masked_k", [False, True], ids=["whole_steps", "masked"])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_k_in_whole_steps(split_k: int, masked_k: bool, device: str) -> None:
+    """K a multiple of BLOCK_K (192 = 6 steps of 32): the loop without K masks (EVEN_K), alone and split
+    (3 steps each), and the masked loop on the same shapes."""
+    case = Case(n=17, k=192, rows=37, n_weights=3, bias=True, x_layout="transposed", out_layout="column_slice")
+    run_case(case, device, split_k=split_k, block_k=32, masked_k=masked_k)
+
+
 def test_split_k_below_one_is_refused() -> None:
     x, weights, biases, out = _args(dtype=torch.float32)
     with pytest.raises(ValueError, match="split_k must be >= 1"):
@@ -362,7 +371,8 @@ def test_supported_and_cpu_needs_interpreter(monkeypatch) -> None:
 
 def test_launch_heuristic(monkeypatch) -> None:
     """The measured tiles: 16-token tiles with long K steps for a few tokens, BLOCK_N giving >= 2 programs
-    per SM, 64-token tiles past 64 tokens; K split when fewer programs than SMs."""
+    per SM, 64-token tiles past 64 tokens; K split when fewer programs than SMs, or past 16 tokens fewer
+    than 2 per SM over rows of 4096 bf16 features."""
     monkeypatch.setattr(gg, "_sm_count", lambda index: 132)  # an H200
     cuda = torch.device("cuda", 0)
     bf16 = torch.bfloat16
@@ -389,9 +399,17 @@ def test_launch_heuristic(monkeypatch) -> None:
     assert gg.default_launch_config(MAX_TOKENS, 1024, 4096, 10, bf16, cuda) == {
         "BLOCK_T": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "SPLIT_K": 1, "num_stages": 4,
     }  # fmt: skip
-    assert gg.default_launch_config(MAX_TOKENS, 1024, 4096, 2, bf16, cuda) == {
+    # ... and two weights of 4096 features: 256 programs of 16 rows < 264 -> 64-row tiles, K split
+    for n, block_t in ((17, 32), (65, 64), (MAX_TOKENS, 64)):
+        assert gg.default_launch_config(n, 1024, 4096, 2, bf16, cuda) == {
+            "BLOCK_T": block_t, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "SPLIT_K": 4,
+        }  # fmt: skip
+    # ... but not over shorter rows (2048 features), nor up to 16 tokens (measured: no gain)
+    assert gg.default_launch_config(MAX_TOKENS, 1024, 2048, 2, bf16, cuda) == {
         "BLOCK_T": 64, "BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "SPLIT_K": 1,
     }  # fmt: skip
+    assert gg.default_launch_config(64, 1024, 1024, 4, bf16, cuda)["SPLIT_K"] == 1
+    assert gg.default_launch_config(16, 2048, 4096, 2, bf16, cuda)["SPLIT_K"] == 1
     # Short K: BLOCK_K no larger than needed (but >= 16).
     assert gg.default_launch_config(1, 1024, 8, 10, bf16, cuda)["BLOCK_K"] == 16
 
