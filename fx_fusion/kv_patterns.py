@@ -356,9 +356,14 @@ def _match_inverse_rms(
     elif not is_call(mean, aten.mean.dim):
         raise NoMatch("K norm does not take the mean of x^2")
     dims = [d % rank for d in mean.args[1]]
-    keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
-    if dims != [rank - 1] or not keepdim:
+    if dims != [rank - 1]:
         raise NoMatch(f"K norm reduces over dims {list(mean.args[1])}, not the last (head) dim alone")
+    keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
+    if not keepdim:  # mean(x^2, -1).unsqueeze(-1) spells keepdim=True
+        restored = _single_user(reduced, "mean(x^2)")
+        if not (is_call(restored, aten.unsqueeze.default) and restored.args[1] % rank == rank - 1):
+            raise NoMatch("K norm's mean drops the head dim (keepdim=False) and does not restore it as the last dim")
+        reduced = restored
     add_eps = _single_user(reduced, "mean(x^2)")
     if not is_call(add_eps, aten.add.Tensor, aten.add.Scalar) or add_eps.kwargs.get("alpha", 1) != 1:
         raise NoMatch("K norm eps is not added to mean(x^2) inside the rsqrt (eps sits elsewhere)")
@@ -704,8 +709,15 @@ def _check_norm_input(at_norm: torch.Tensor, layout_at, norm: RMSNorm, n_layers:
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _rotation_after(start: torch.fx.Node, required: bool, same_value: Optional[ValueKeys] = None, side_readers: bool = False):
-    """The rotary embedding applied at the end of, or part way along, the layout chain after `start`.
+def _rotation_after(
+    start: torch.fx.Node,
+    required: bool,
+    same_value: Optional[ValueKeys] = None,
+    side_readers: bool = False,
+    out_dtype: Optional[torch.dtype] = None,
+):
+    """The rotary embedding applied at the end of, or part way along, the layout chain after `start`
+    (ending in `out_dtype` where it can end at several casts: `rotary_action.match_rotation`).
 
     Returns (layout ops up to the rotation's input, that input, the Rotation). A chain may go on past the
     rotation's input (`x.reshape(..., -1, 2)` in a pair-wise rotary); the furthest point that is rotated
@@ -716,7 +728,8 @@ def _rotation_after(start: torch.fx.Node, required: bool, same_value: Optional[V
     reasons = []
     for end in range(len(points), 0, -1):
         try:
-            return chain[: end - 1], points[end - 1], rotary_action.match_rotation(points[end - 1], same_value)
+            rotation = rotary_action.match_rotation(points[end - 1], same_value, out_dtype)
+            return chain[: end - 1], points[end - 1], rotation
         except rotary_action.NotRotary as reason:
             reasons.append(str(reason))
     _refuse_scaled_rotation(points[-1], same_value)
@@ -802,6 +815,7 @@ def _match_k_branch(projection: Projection, source: "BranchSource", same_value: 
     elif source.chain is not None:
         features *= source.n_heads
     layout_before, node = follow_layout(source.node, side_readers=side_readers)
+    dtype = val(projection.node).dtype
     norm = None
     if starts_norm(node):
         try:
@@ -810,11 +824,10 @@ def _match_k_branch(projection: Projection, source: "BranchSource", same_value: 
             if not _rotated_downstream(node, same_value):  # nothing K-like: say what it lacks
                 raise NotKBranch(rotary_action.NO_ROTATION) from reason
             raise
-        layout_after, node, rotary = _rotation_after(norm.out, required=True, same_value=same_value)
+        layout_after, node, rotary = _rotation_after(norm.out, required=True, same_value=same_value, out_dtype=dtype)
     else:
-        layout_before, node, rotary = _rotation_after(source.node, False, same_value, side_readers)
+        layout_before, node, rotary = _rotation_after(source.node, False, same_value, side_readers, dtype)
         layout_after = []
-    dtype = val(projection.node).dtype
     if dtype not in SUPPORTED_DTYPES:
         raise NoMatch(f"K is {dtype}; the fused op supports float32, bfloat16 and float16")
     if val(rotary.out).dtype != dtype:

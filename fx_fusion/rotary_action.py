@@ -1,13 +1,16 @@
 """Recognise a rotary embedding by what it computes, not by how it is spelled.
 
 Starting from K (a node laid out [..., head_dim]), the *rotary region* is the set of nodes that depend on
-K through elementwise-linear and layout ops only (mul, add, sub, neg, casts, views, permutes, slices,
-selects, splits, cat, stack, expand). Every other input of the region (cos, sin, a freqs_cis table, a
-cos/sin cache row...) is a *table*. The region is accepted when
+K through elementwise-linear and layout ops only (mul, add, sub, addcmul, neg, casts, views, permutes,
+slices, selects, splits, cat, stack, expand, and slice assignments into a buffer: copy, slice_scatter).
+Every other input of the region (cos, sin, a freqs_cis table, a cos/sin cache row...) is a *table*. The
+region is accepted when
 
 1. structurally, every mul multiplies K-dependent values by a table (never K by K, never by a constant),
-   and adds, subs and cats combine only K-dependent values: the output is then exactly a sum of terms
-   +-K[a] * table[b] (or +-K[a] alone), i.e. bilinear in K and the tables; and
+   and adds, subs, cats and slice assignments combine only K-dependent values (addcmul: one K-dependent
+   value plus K times a table, with value +-1; a slice assigned into an uninitialised buffer leaves the
+   rest of it as a term without K, which step 2 refuses unless it is overwritten too): the output is then
+   exactly a sum of terms +-K[a] * table[b] (or +-K[a] alone), i.e. bilinear in K and the tables; and
 2. evaluated on probe inputs in float64 (casts skipped), its coefficients read off as integers are those
    of a rotation: out[i] = K[i] * cos[i] + sign(i) * K[partner(i)] * sin[i] for i < rotary_dim, out[i] =
    K[i] beyond, with neox (rotate-half) or interleaved (GPT-J) partners, one cos and one sin element per
@@ -35,7 +38,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .probe_sizes import FULL_SIZE, ProbeMismatch, ProbeSizes, probe_call
 from .memo import OutcomeMemo, plain
-from .values import LAYOUT_OPS, ValueKeys
+from .values import LAYOUT_OPS, UNINITIALISED, ValueKeys
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -56,7 +59,11 @@ _LAYOUT = LAYOUT_OPS | {
 }
 _JOIN = {aten.cat.default, aten.stack.default}
 _SUM = {aten.add.Tensor, aten.sub.Tensor}
-_REGION_OPS = _LAYOUT | _JOIN | _SUM | {aten.mul.Tensor, aten.neg.default}
+_ADDCMUL = aten.addcmul.default  # self + value * t1 * t2: a sum and a product in one op
+# slice assignments into a buffer, as functionalisation spells `out[..., :h] = -x2`: copy (dst's shape, src's
+# values) and slice_scatter (base with one slice replaced): a cat written in place
+_SCATTERS = {aten.copy.default, aten.slice_scatter.default}
+_REGION_OPS = _LAYOUT | _JOIN | _SUM | _SCATTERS | {aten.mul.Tensor, aten.neg.default, _ADDCMUL}
 _VIEWS = {aten.view.default, aten._unsafe_view.default}  # evaluated as reshape: probe strides may differ
 _MAX_REGION = 256
 _MAX_DEPTH = 16  # region ops between K and a node of its rotation (a rotation takes about 10)
@@ -122,6 +129,8 @@ def _table_degree(node: torch.fx.Node, inside: dict) -> Optional[int]:
     if target is aten.mul.Tensor:
         k_args = [a for a in args[:2] if a in inside]
         others = [a for a in args[:2] if a not in inside]
+        if len(k_args) == 1 and len(others) == 1 and _is_sign(others[0]):
+            return inside[k_args[0]]  # times 1 or -1 (`value * t1 * t2`, addcmul's decomposition): exact
         if len(k_args) != 1 or len(others) != 1 or not isinstance(others[0], torch.fx.Node):
             return None  # K * K, or K times a constant
         if not isinstance(node_val(others[0]), torch.Tensor) or inside[k_args[0]] != 0:
@@ -131,6 +140,32 @@ def _table_degree(node: torch.fx.Node, inside: dict) -> Optional[int]:
         if node.kwargs.get("alpha", 1) != 1 or len(args) != 2 or not all(a in inside for a in args):
             return None
         return max(inside[a] for a in args)
+    if target is aten.copy.default:  # src's values in dst's shape: dst's own values are discarded
+        dst, src = args[0], args[1]
+        if src not in inside or _hint(list(node_val(dst).shape)) != _hint(list(node_val(src).shape)):
+            return None
+        # into the region's own buffer only: a copy into anything else (a cache slice) is a write of the
+        # result, not part of its computation
+        return inside[src] if dst in inside or _uninitialised(dst) else None
+    if target is aten.slice_scatter.default:  # base with a slice replaced by src
+        base, src = args[0], args[1]
+        if src not in inside:
+            return None
+        if base in inside:
+            return max(inside[base], inside[src])
+        # an uninitialised buffer: elements left unwritten would be garbage, which the probes would read
+        # as a term without K (no rotation), so the region is only accepted when it is written whole
+        return inside[src] if _uninitialised(base) else None
+    if target is _ADDCMUL:  # self + K * table (value +-1: a sign, not a scale)
+        if len(args) < 3 or not _is_sign(node.kwargs.get("value", 1)) or args[0] not in inside:
+            return None
+        k_args = [a for a in args[1:3] if a in inside]
+        others = [a for a in args[1:3] if a not in inside]
+        if len(k_args) != 1 or inside[k_args[0]] != 0 or not isinstance(others[0], torch.fx.Node):
+            return None
+        if not isinstance(node_val(others[0]), torch.Tensor):
+            return None
+        return max(inside[args[0]], 1)
     if target in _JOIN:
         parts = list(args[0])
         if not all(p in inside for p in parts):
@@ -139,6 +174,17 @@ def _table_degree(node: torch.fx.Node, inside: dict) -> Optional[int]:
     if args[0] not in inside or any(a in inside for a in args[1:] if isinstance(a, torch.fx.Node)):
         return None
     return inside[args[0]]
+
+
+def _is_sign(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value in (1, -1)
+
+
+def _uninitialised(node: torch.fx.Node) -> bool:
+    """Is `node` a view of an uninitialised allocation (`torch.empty`, `empty_like`)?"""
+    while _is_call(node, _LAYOUT):
+        node = node.args[0]
+    return _is_call(node, UNINITIALISED)
 
 
 def _region(start: torch.fx.Node) -> dict:
@@ -181,7 +227,8 @@ def _region(start: torch.fx.Node) -> dict:
 
 
 def _closed_outputs(start: torch.fx.Node, inside: dict) -> list[torch.fx.Node]:
-    """Region nodes shaped like `start` whose ancestors in the region feed nothing else, last first."""
+    """Region nodes shaped like `start` whose ancestors in the region feed nothing else (a dead pure node,
+    such as the view functionalisation leaves behind a slice assignment, reads nothing), last first."""
     shape = list(_hint(list(node_val(start).shape)))
     found = []
     for node in reversed(list(inside)):
@@ -195,9 +242,13 @@ def _closed_outputs(start: torch.fx.Node, inside: dict) -> list[torch.fx.Node]:
                 continue
             ancestors.add(current)
             stack.extend(a for a in current.all_input_nodes if a in inside)
-        if all(set(a.users) <= ancestors for a in ancestors if a is not node):
+        if all(_live_users(a) <= ancestors for a in ancestors if a is not node):
             found.append((node, ancestors))
     return found
+
+
+def _live_users(node: torch.fx.Node) -> set:
+    return {user for user in node.users if user.users or user.is_impure()}
 
 
 def _negated_table(node: torch.fx.Node) -> Optional[torch.fx.Node]:
@@ -337,14 +388,20 @@ def _table_mode(shape: list[int], k_shape: list[int], index: torch.Tensor, rotar
     return None
 
 
-def match_rotation(k: torch.fx.Node, same_value: Optional[ValueKeys] = None) -> Rotation:
+def match_rotation(
+    k: torch.fx.Node, same_value: Optional[ValueKeys] = None, out_dtype: Optional[torch.dtype] = None
+) -> Rotation:
     """Find the rotary embedding applied to `k` ([..., head_dim]); raises NotRotary with the reason.
-    `same_value`: a ValueKeys to share (tables are told apart by value)."""
+    `same_value`: a ValueKeys to share (tables are told apart by value). `out_dtype`: where the rotation can
+    end at several casts of one value, the end in this dtype wins (a rotation whose result is upcast for a
+    norm after it ends before that cast; a float32 one rounded back to K's dtype ends after it)."""
     same_value = same_value if same_value is not None else ValueKeys()
     if not isinstance(node_val(k), torch.Tensor) or node_val(k).dim() == 0:
         raise NotRotary(NO_ROTATION)
     inside = _region(k)
     candidates = _closed_outputs(k, inside)
+    if out_dtype is not None:
+        candidates.sort(key=lambda found: node_val(found[0]).dtype != out_dtype)  # stable: last first within
     if not candidates:
         raise NotRotary(NO_ROTATION)
     reasons = []
@@ -373,8 +430,10 @@ def _factors_share_inputs_with_k(k: torch.fx.Node, inside: dict, same_value: Val
     computed from: rotary tables come from positions, never from the hidden states K is projected from."""
     factors = 0
     for node in inside:
+        if node is k:  # K's own inputs are no factor
+            continue
         for a in node.all_input_nodes:
-            if a not in inside:
+            if a not in inside and not _uninitialised(a):  # `empty_like(k)` takes K's shape, not its values
                 factors |= same_value.input_mask(a)
     return bool(factors & same_value.input_mask(k))
 

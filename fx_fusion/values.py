@@ -80,13 +80,13 @@ class ValueKeys:
         return self._input_masks[node]
 
 
-_UNINITIALISED = frozenset({aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default})
+UNINITIALISED = frozenset({aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default})
 
 
 def _unique_value(node: torch.fx.Node) -> bool:
     """A value no other node computes however it is spelled: a random draw or an uninitialised buffer."""
     tags = getattr(node.target, "tags", ())
-    return torch.Tag.nondeterministic_seeded in tags or node.target in _UNINITIALISED
+    return torch.Tag.nondeterministic_seeded in tags or node.target in UNINITIALISED
 
 
 def _inputs_first(node: torch.fx.Node, done: dict):

@@ -28,6 +28,7 @@ from torch import nn
 from transformers import Gemma3TextConfig, Qwen3Config
 from transformers.models.gemma3 import modeling_gemma3
 from transformers.models.gemma3n import modeling_gemma3n
+from transformers.models.hunyuan_v1_dense import modeling_hunyuan_v1_dense
 from transformers.models.qwen3 import modeling_qwen3
 
 N_LAYERS = 3
@@ -1450,10 +1451,130 @@ def build_openelm(dtype, double_upcast):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# 26. lmdeploy's PyTorch backend: a qkv projection unflattened into heads and cut into K and V views, an
+# optional K RMSNorm, then the rotation with the rotated half built in `torch.empty_like` by two slice
+# assignments (neox halves, or GPT-J pairs with step-2 slices and repeat_interleave'd cos/sin), applied in
+# place by default (`k.mul_(cos); k.add_(rotate(k) * sin)`): without a norm, on a view of the qkv output.
+# InternLM/lmdeploy lmdeploy/pytorch/backends/default/apply_rotary_emb.py (rotate_half,
+# rotate_interleaved, DefaultApplyRotaryEmbImpl.forward)
+
+
+def _rotated_by_slice_assignment(x, interleaved):
+    out = torch.empty_like(x)
+    if interleaved:
+        out[..., 0::2], out[..., 1::2] = -x[..., 1::2], x[..., 0::2]
+    else:
+        half = x.shape[-1] // 2
+        out[..., :half], out[..., half:] = -x[..., half:], x[..., :half]
+    return out
+
+
+class LmdeployContext(nn.Module):
+    def __init__(self, k_norm: bool, interleaved: bool):
+        super().__init__()
+        self.interleaved, self.q_heads = interleaved, 2 * KV_HEADS
+        width = (self.q_heads + 2 * KV_HEADS) * HEAD_DIM
+        self.qkv_proj = nn.ModuleList(nn.Linear(HIDDEN, width, bias=False) for _ in range(N_LAYERS))
+        self.k_norm = nn.ModuleList(modeling_qwen3.Qwen3RMSNorm(HEAD_DIM, eps=EPS) for _ in range(N_LAYERS)) if k_norm else None
+        _randomize_norm_weights(self)
+
+    def forward(self, hidden_states, cos, sin):  # cos, sin [B, T, HEAD_DIM] (neox halves)
+        if self.interleaved:
+            cos = cos[..., : HEAD_DIM // 2].repeat_interleave(2, dim=-1)
+            sin = sin[..., : HEAD_DIM // 2].repeat_interleave(2, dim=-1)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        outs = []
+        for i, qkv_proj in enumerate(self.qkv_proj):
+            qkv = qkv_proj(hidden_states).unflatten(-1, (-1, HEAD_DIM))
+            key = qkv[..., self.q_heads : self.q_heads + KV_HEADS, :]
+            value = qkv[..., self.q_heads + KV_HEADS :, :]
+            if self.k_norm is not None:
+                key = self.k_norm[i](key)
+            key_sin = _rotated_by_slice_assignment(key, self.interleaved) * sin
+            key.mul_(cos)
+            key.add_(key_sin)
+            outs += [key, value]
+        return tuple(outs)
+
+
+def build_lmdeploy(dtype, k_norm, interleaved):
+    torch.manual_seed(0)
+    cos, sin = _hf_cos_sin(_positions()[None].expand(BATCH, -1))
+    return _finish(LmdeployContext(k_norm, interleaved), dtype, _hidden(), cos, sin)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 27. HunYuan dense: the q/k RMSNorm comes AFTER the RoPE (`key_layernorm(apply_rotary_pos_emb(...))`),
+# with a weight per dim, so it is not the op's norm-then-rotate: the RoPE fuses alone and the norm stays
+# as written, reading the op's output (in bfloat16 the norm's float32 upcast ends the rotation, not K).
+# huggingface/transformers src/transformers/models/hunyuan_v1_dense/modeling_hunyuan_v1_dense.py
+# (HunYuanDenseV1Attention.forward, HunYuanDenseV1RMSNorm)
+
+
+class HunYuanNormAfterRopeContext(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.k_proj = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False) for _ in range(N_LAYERS))
+        self.v_proj = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False) for _ in range(N_LAYERS))
+        norms = [modeling_hunyuan_v1_dense.HunYuanDenseV1RMSNorm(HEAD_DIM, eps=EPS) for _ in range(N_LAYERS)]
+        self.key_layernorm = nn.ModuleList(norms)
+        _randomize_norm_weights(self)
+
+    def forward(self, hidden_states, cos, sin):
+        hidden_shape = (*hidden_states.shape[:-1], -1, HEAD_DIM)
+        outs = []
+        for k_proj, v_proj, key_layernorm in zip(self.k_proj, self.v_proj, self.key_layernorm):
+            key_states = k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+            value_states = v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+            _, key_states = modeling_hunyuan_v1_dense.apply_rotary_pos_emb(key_states, key_states, cos, sin)
+            outs += [key_layernorm(key_states), value_states]
+        return tuple(outs)
+
+
+def build_hunyuan_norm_after_rope(dtype):
+    torch.manual_seed(0)
+    cos, sin = _hf_cos_sin(_positions()[None].expand(BATCH, -1))
+    return _finish(HunYuanNormAfterRopeContext(), dtype, _hidden(), cos, sin)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 28. The same math in two more spellings, no public source found: the RoPE's sum as one
+# `torch.addcmul(k * cos, rotate_half(k), sin)`, and the RMSNorm's mean without keepdim, restored by
+# `.unsqueeze(-1)`.
+
+
+class AddcmulMeanUnsqueezeContext(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.k_proj = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False) for _ in range(N_LAYERS))
+        self.v_proj = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False) for _ in range(N_LAYERS))
+        self.k_norm_weight = nn.ParameterList(nn.Parameter(torch.randn(HEAD_DIM) * 0.2 + 1) for _ in range(N_LAYERS))
+
+    def forward(self, x, cos, sin):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        outs = []
+        for k_proj, v_proj, weight in zip(self.k_proj, self.v_proj, self.k_norm_weight):
+            k = k_proj(x).unflatten(-1, (KV_HEADS, HEAD_DIM)).transpose(1, 2)
+            h = k.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1).unsqueeze(-1) + EPS)
+            k = weight * h.to(k.dtype)
+            k = torch.addcmul(k * cos, modeling_qwen3.rotate_half(k), sin)
+            outs += [k, v_proj(x).unflatten(-1, (KV_HEADS, HEAD_DIM)).transpose(1, 2)]
+        return tuple(outs)
+
+
+def build_addcmul_mean_unsqueeze(dtype):
+    torch.manual_seed(0)
+    cos, sin = _hf_cos_sin(_positions()[None].expand(BATCH, -1))
+    return _finish(AddcmulMeanUnsqueezeContext(), dtype, _hidden(), cos, sin)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # The corpus
 
 _p = functools.partial
 _HF = "huggingface/transformers src/transformers/models/qwen3/modeling_qwen3.py"
+_LMDEPLOY = "InternLM/lmdeploy lmdeploy/pytorch/backends/default/apply_rotary_emb.py"
 _VLLM = (
     "vllm-project/vllm vllm/model_executor/models/qwen3.py, layers/layernorm.py, "
     "layers/rotary_embedding/base.py, layers/rotary_embedding/common.py"
@@ -1586,6 +1707,27 @@ CASES: list[Case] = [
     Case("chatglm_sequence_first_pairs", "THUDM/ChatGLM3 modeling_chatglm.py (apply_rotary_pos_emb, SelfAttention)", _p(build_chatglm)),
     Case("internlm2_grouped_wqkv", "InternLM/InternLM modeling_internlm2.py (InternLM2Attention.forward)", _p(build_internlm2)),
     Case("openelm_heads_split", "apple/OpenELM modeling_openelm.py (qkv split along heads, float32 RoPE)", _p(build_openelm, double_upcast=False)),
+    Case(
+        "lmdeploy_slice_assigned_rotate_half_in_place",
+        _LMDEPLOY + " (K RMSNorm, rotate_half by slice assignment, in place)",
+        _p(build_lmdeploy, k_norm=True, interleaved=False),
+    ),
+    Case(
+        "lmdeploy_interleaved_in_place_on_qkv_view",
+        _LMDEPLOY + " (no K norm: rotate_interleaved, in place on a view of the qkv output)",
+        _p(build_lmdeploy, k_norm=False, interleaved=True),
+    ),
+    Case(
+        "hunyuan_norm_after_rope",
+        "huggingface/transformers src/transformers/models/hunyuan_v1_dense/modeling_hunyuan_v1_dense.py "
+        "(key_layernorm after the RoPE: the RoPE fuses alone)",
+        _p(build_hunyuan_norm_after_rope),
+    ),
+    Case(
+        "addcmul_rope_mean_unsqueeze_norm",
+        "no public source found: torch.addcmul for the RoPE's sum, mean(-1).unsqueeze(-1) in the RMSNorm",
+        _p(build_addcmul_mean_unsqueeze),
+    ),
     Case(
         "openelm_double_upcast_norm",
         "apple/OpenELM modeling_openelm.py, its RMSNorm re-implemented with x.float() twice",

@@ -135,6 +135,48 @@ def test_k_scaled_before_its_rope_is_named():
     assert any("multiplied by a constant (0.5) before its RoPE" in r.reason for r in rejected), describe(fused_kv_pass)
 
 
+class _NearlyRotated(torch.nn.Module):
+    """K times cos plus a buffer times sin, the buffer built like lmdeploy's rotate_half but not into a
+    rotation: half left as zeros, half left uninitialised, or an addcmul that scales the rotated half."""
+
+    def __init__(self, variant: str):
+        super().__init__()
+        self.variant = variant
+        width = spelling_corpus.KV_HEADS * spelling_corpus.HEAD_DIM
+        self.k_proj = torch.nn.ModuleList(torch.nn.Linear(spelling_corpus.HIDDEN, width) for _ in range(N_LAYERS))
+
+    def forward(self, x, cos, sin):
+        outs = []
+        for k_proj in self.k_proj:
+            k = k_proj(x).unflatten(-1, (spelling_corpus.KV_HEADS, spelling_corpus.HEAD_DIM))
+            half = k.shape[-1] // 2
+            if self.variant == "addcmul_scaled":
+                outs.append(torch.addcmul(k * cos, torch.cat((-k[..., half:], k[..., :half]), -1), sin, value=2.0))
+                continue
+            rotated = torch.zeros_like(k) if self.variant == "zeros_half" else torch.empty_like(k)
+            rotated[..., :half] = -k[..., half:]
+            outs.append(k * cos + rotated * sin)
+        return tuple(outs)
+
+
+@pytest.mark.parametrize("variant", ["zeros_half", "empty_half", "addcmul_scaled"])
+def test_slice_assignments_and_addcmul_that_do_not_rotate_stay_as_written(variant):
+    """The slice-assigned buffer and addcmul spellings are read as a rotation only when they are one: a
+    buffer written in part (zeros, or garbage where uninitialised) or a rotated half scaled by 2 is not."""
+    module = _NearlyRotated(variant).eval()
+    x = torch.randn(spelling_corpus.BATCH, spelling_corpus.TOKENS, spelling_corpus.HIDDEN)
+    angles = torch.rand(spelling_corpus.TOKENS, spelling_corpus.HEAD_DIM // 2) * 6
+    cos, sin = (torch.cat([f(angles)] * 2, -1)[:, None] for f in (torch.cos, torch.sin))
+    fused_kv_pass = fx_fusion.FusedKVPass()
+    compiled = torch.compile(module, options={"post_grad_custom_post_pass": fused_kv_pass})
+    got = compiled(x, cos, sin)
+    if variant != "empty_half":  # garbage in both: nothing to compare
+        assert_matches_eager(got, module(x, cos, sin), torch.float32)
+    groups, rejected = groups_and_rejections(fused_kv_pass)
+    assert not groups, describe(fused_kv_pass)
+    assert any(r.reason.startswith("K is not rotated") for r in rejected), describe(fused_kv_pass)
+
+
 def test_zlab_context_rows_fuse_and_noise_rows_keep_their_own_path():
     """z-lab's DFlash draft concatenates context and noise K along tokens before the norm: with a noise
     block of its own per layer, the context projections of all layers form one group and each layer's
