@@ -137,7 +137,8 @@ def test_k_scaled_before_its_rope_is_named():
 
 class _NearlyRotated(torch.nn.Module):
     """K times cos plus a buffer times sin, the buffer built like lmdeploy's rotate_half but not into a
-    rotation: half left as zeros, half left uninitialised, or an addcmul that scales the rotated half."""
+    rotation: half left as zeros, half left uninitialised, or an addcmul that scales the rotated half; and
+    one that is a rotation, the rotated half multiplied by 1."""
 
     def __init__(self, variant: str):
         super().__init__()
@@ -150,8 +151,12 @@ class _NearlyRotated(torch.nn.Module):
         for k_proj in self.k_proj:
             k = k_proj(x).unflatten(-1, (spelling_corpus.KV_HEADS, spelling_corpus.HEAD_DIM))
             half = k.shape[-1] // 2
-            if self.variant == "addcmul_scaled":
-                outs.append(torch.addcmul(k * cos, torch.cat((-k[..., half:], k[..., :half]), -1), sin, value=2.0))
+            if self.variant in ("addcmul_scaled", "unit_factor"):
+                rotated = torch.cat((-k[..., half:], k[..., :half]), -1)
+                if self.variant == "unit_factor":
+                    outs.append(k * cos + 1 * rotated * sin)
+                else:
+                    outs.append(torch.addcmul(k * cos, rotated, sin, value=2.0))
                 continue
             rotated = torch.zeros_like(k) if self.variant == "zeros_half" else torch.empty_like(k)
             rotated[..., :half] = -k[..., half:]
@@ -175,6 +180,20 @@ def test_slice_assignments_and_addcmul_that_do_not_rotate_stay_as_written(varian
     groups, rejected = groups_and_rejections(fused_kv_pass)
     assert not groups, describe(fused_kv_pass)
     assert any(r.reason.startswith("K is not rotated") for r in rejected), describe(fused_kv_pass)
+
+
+def test_a_rotation_through_a_multiply_by_one_fuses():
+    """`self + value * t1 * t2`, addcmul as torch 2.11 decomposes it on CUDA: the rotated half times 1
+    (an exact identity) before sin. Fuses, with eager's results."""
+    module = _NearlyRotated("unit_factor").eval()
+    x = torch.randn(spelling_corpus.BATCH, spelling_corpus.TOKENS, spelling_corpus.HIDDEN)
+    angles = torch.rand(spelling_corpus.TOKENS, spelling_corpus.HEAD_DIM // 2) * 6
+    cos, sin = (torch.cat([f(angles)] * 2, -1)[:, None] for f in (torch.cos, torch.sin))
+    fused_kv_pass = fx_fusion.FusedKVPass()
+    got = torch.compile(module, options={"post_grad_custom_post_pass": fused_kv_pass})(x, cos, sin)
+    assert_matches_eager(got, module(x, cos, sin), torch.float32)
+    groups, _ = groups_and_rejections(fused_kv_pass)
+    assert [g.n_layers for g in groups] == [N_LAYERS], describe(fused_kv_pass)
 
 
 def test_zlab_context_rows_fuse_and_noise_rows_keep_their_own_path():
