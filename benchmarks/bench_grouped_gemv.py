@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         "--configs",
         type=parse_configs,
         default=[],
-        help="extra grouped columns, BLOCK_T:BLOCK_N:BLOCK_K:num_warps[:split_k[:num_stages]] "
+        help="extra grouped columns, BLOCK_T:BLOCK_N:BLOCK_K:num_warps[:split_k[:num_stages[:masked_k]]] "
         "(0 = heuristic), comma-separated, e.g. 16:0:0:0,0:64:0:8,16:64:128:4:4",
     )
     parser.add_argument("--epilogue", action="store_true", help="K norm/RoPE in the epilogue (see above)")
