@@ -404,7 +404,7 @@ def test_launch_heuristic(monkeypatch) -> None:
         assert gg.default_launch_config(n, 1024, 4096, 2, bf16, cuda) == {
             "BLOCK_T": block_t, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "SPLIT_K": 4,
         }  # fmt: skip
-    # ... but not over shorter rows (2048 features), nor up to 16 tokens (measured: no gain)
+    # ... but not over shorter rows (2048 features: no gain measured), nor up to 16 tokens (not measured)
     assert gg.default_launch_config(MAX_TOKENS, 1024, 2048, 2, bf16, cuda) == {
         "BLOCK_T": 64, "BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "SPLIT_K": 1,
     }  # fmt: skip
