@@ -137,6 +137,7 @@ class FusedKVPass(CustomGraphPass):
             fx_fusion.kernels.fused_kv_materialize.__file__,
             fx_fusion.kernels.grouped_linear.__file__,
             fx_fusion.kernels.grouped_gemv.__file__,
+            fx_fusion.kernels.grouped_gemm_tma.__file__,
         )
         options = (
             f"min_layers={self.min_layers},enabled={self.enabled},stage={self.stage},inline={self.inline_ops},"

@@ -6,9 +6,11 @@
 Every weight is read where it lives: nothing is stacked, copied or re-homed, so a module's parameters, their
 storage, `state_dict()`, pickles and in-place updates stay exactly the user's. For a few tokens on CUDA
 (`grouped_gemv.max_tokens` or fewer), one Triton launch computes every linear (weights of different row
-counts as row blocks of their gcd), so that all SMs stream weights at once; otherwise each linear is one
-GEMM writing straight into its column slice of `out` (a row-major slice is a valid GEMM output with the
-full row as leading dimension, so nothing is copied).
+counts as row blocks of their gcd), so that all SMs stream weights at once; for a few hundred to a
+thousand tokens on Hopper (`grouped_gemm_tma.token_range`), weights of one shape go through one persistent
+TMA launch whose tiles cover all SMs; otherwise each linear is one GEMM writing straight into its column
+slice of `out` (a row-major slice is a valid GEMM output with the full row as leading dimension, so
+nothing is copied).
 
 Defined with the low-level `torch.library.Library` API (schema + implementation + fake): it sits on the hot
 path of every compiled call, and this API dispatches straight to the implementation.
@@ -21,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from . import ops
+from . import grouped_gemm_tma, ops
 from .fused_kv_materialize import norm_weight_pointers, norm_weight_table
 from .grouped_gemv import (
     MAX_EPILOGUE_TOKENS,
@@ -59,6 +61,9 @@ def grouped_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list[to
     if grouped_gemv_supported(x, blocks, bias_blocks, out, gemms=len(weights)):
         launch_grouped_gemv(x, blocks, bias_blocks, out)
         return out
+    if grouped_gemm_tma.unsupported_reason(x, weights, biases, out) is None:
+        grouped_gemm_tma.launch(x, weights, biases, out)
+        return out
     column = 0
     for i, weight in enumerate(weights):
         columns = out[:, column : column + weight.shape[0]]
@@ -75,8 +80,8 @@ _library.impl("grouped_linear", grouped_linear, "CompositeExplicitAutograd")
 
 def grouped_linear_body(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> torch.Tensor:
     """What `fx_fusion.op_lowering` traces in place of a grouped_linear call: on CUDA, for a known token
-    count the grouped kernel serves, that kernel launched through `torch.library.wrap_triton` (Inductor
-    launches it from its generated code); otherwise the linears as ATen mm/addmm and a cat over columns,
+    count the grouped kernel (or the TMA kernel) serves, that kernel launched through
+    `torch.library.wrap_triton` (Inductor launches it from its generated code); otherwise the linears as ATen mm/addmm and a cat over columns,
     which Inductor compiles with the graph (no Python-level op per call; on CUDA each cuBLAS GEMM writes
     straight into its column slice of the cat's output)."""
     if x.is_cuda and not isinstance(x.shape[0], torch.SymInt):
@@ -84,6 +89,9 @@ def grouped_linear_body(x: torch.Tensor, weights: list[torch.Tensor], biases: li
         blocks, bias_blocks = equal_row_blocks(weights, biases)
         if grouped_gemv_supported(x, blocks, bias_blocks, out, gemms=len(weights)):
             launch_grouped_gemv(x, blocks, bias_blocks, out, traceable=True)
+            return out
+        if grouped_gemm_tma.unsupported_reason(x, weights, biases, out) is None:
+            grouped_gemm_tma.launch(x, weights, biases, out, traceable=True)
             return out
     linears = [torch.addmm(biases[i], x, w.t()) if biases else torch.mm(x, w.t()) for i, w in enumerate(weights)]
     return torch.cat(linears, dim=1)

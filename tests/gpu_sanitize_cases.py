@@ -5,7 +5,7 @@
 Runs the Triton kernel on the inputs most likely to go out of bounds (cache edges, out-of-range positions
 inside torch.compile, strided and padded heads, per-layer cos/sin tables, 4-D projections whose heads sit
 apart in a per-group QKV buffer, tiny shapes) and compares every result with the float64 reference of
-tests/test_fused_kv_op.py, plus the KV-cache writes of tests/test_cache_writes.py and the grouped GEMM's K
+tests/test_fused_kv_op.py, the TMA grouped GEMM on Hopper, plus the KV-cache writes of tests/test_cache_writes.py and the grouped GEMM's K
 epilogue of tests/test_k_epilogue.py. Exits nonzero on any mismatch; memcheck reports bad accesses.
 """
 
@@ -23,6 +23,7 @@ from test_k_epilogue import Case as EpilogueCase
 from test_k_epilogue import run_case as check_k_epilogue
 from test_fused_kv_op import Case, check_all_variants, make_inputs, reference, assert_close_to_reference
 
+from fx_fusion.kernels import grouped_gemm_tma
 from fx_fusion.kernels.grouped_gemv import grouped_gemv_supported, grouped_linear_reference, launch_grouped_gemv
 from fx_fusion.kernels.ops import fused_norm_rope_stacked
 
@@ -105,6 +106,30 @@ GEMV_CASES = {
 }
 
 
+def tma_grouped_gemm(n: int, rows: int, hidden: int, n_weights: int, bias: bool) -> None:
+    """The TMA grouped GEMM with token, row and K tails (no multiple of any tile), row blocks of one
+    parameter, into an aligned column slice of a poisoned buffer (8 columns in, 16 bytes)."""
+    torch.manual_seed(n + rows)
+    param = torch.randn(n_weights * rows, hidden, device="cuda", dtype=torch.bfloat16)
+    weights = list(param.split(rows))
+    biases = [torch.randn(rows, device="cuda", dtype=torch.bfloat16) for _ in range(n_weights)] if bias else []
+    x = torch.randn(n, hidden, device="cuda", dtype=torch.bfloat16)
+    buffer = torch.full((n, n_weights * rows + 24), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = buffer[:, 8 : 8 + n_weights * rows]
+    assert grouped_gemm_tma.unsupported_reason(x, weights, biases, out) is None
+    grouped_gemm_tma.launch(x, weights, biases, out)
+    expected = grouped_linear_reference(x, weights, biases)
+    torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2 * hidden**0.5)
+    assert buffer[:, :8].isnan().all() and buffer[:, 8 + out.shape[1] :].isnan().all(), "wrote outside out"
+
+
+TMA_CASES = {
+    "tma-333-tokens-6-weights-bias": dict(n=333, rows=328, hidden=1096, n_weights=6, bias=True),
+    "tma-300-tokens-18-weights": dict(n=300, rows=136, hidden=520, n_weights=18, bias=False),
+    "tma-1000-tokens-2-weights": dict(n=1000, rows=1024, hidden=4096, n_weights=2, bias=False),
+}
+
+
 def check_on_cuda(case: Case) -> None:
     check_all_variants(case, make_inputs(case, "cuda"))
 
@@ -118,6 +143,8 @@ def main() -> int:
     checks["compiled-out-of-range-positions"] = compiled_out_of_range_positions
     checks["strided-positions"] = strided_positions
     checks.update({name: functools.partial(grouped_gemv, **shape) for name, shape in GEMV_CASES.items()})
+    if torch.cuda.get_device_capability() >= (9, 0):
+        checks.update({name: functools.partial(tma_grouped_gemm, **shape) for name, shape in TMA_CASES.items()})
     for layout in LAYOUTS:  # slots of -1 and past the cache skipped, guard regions around every cache
         for dtype in (torch.bfloat16, torch.float8_e4m3fn):
             checks[f"cache-write-{layout}-{str(dtype)[6:]}"] = functools.partial(check_cache_write, layout, dtype, "cuda")

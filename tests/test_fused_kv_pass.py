@@ -23,7 +23,7 @@ from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
 import fx_fusion
 from fx_fusion import drafts, kv_patterns
-from fx_fusion.kernels import grouped_gemv
+from fx_fusion.kernels import grouped_gemm_tma, grouped_gemv
 from fx_fusion.memo import OutcomeMemo
 from fx_fusion.diagnostics import RecordSink
 
@@ -691,13 +691,14 @@ def test_fx_graph_cache_serves_the_rewritten_graph(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("seq_len", [5, 200, 300])
+@pytest.mark.parametrize("seq_len", [5, 200, 300, 1100])
 @pytest.mark.parametrize("options", [{}, {"cpp_wrapper": True}, {"max_autotune": True}], ids=["python", "cpp", "autotune"])
 def test_inductor_generates_the_fused_code(device, seq_len, options):
     """The fused op reaches Inductor as code, not as an op call: on CUDA a launch of our Triton kernels from
     Inductor's generated code (few tokens: the grouped GEMM with the K epilogue; more: the grouped GEMM, then
-    the materialization kernel; many: cuBLAS GEMMs and the materialization kernel), elsewhere the op's math
-    compiled with the graph."""
+    the materialization kernel; a few hundred on Hopper: the TMA grouped GEMM, then the materialization
+    kernel; many: cuBLAS GEMMs and the materialization kernel), elsewhere the op's math compiled with the
+    graph."""
     if options.get("max_autotune") and device != "cuda":
         pytest.skip("max-autotune benchmarks GPU kernels")
     if seq_len > grouped_gemv.MAX_TOKENS and device != "cuda":
@@ -721,10 +722,14 @@ def test_inductor_generates_the_fused_code(device, seq_len, options):
         assert records[0].ops_inlined == 2 and "fx_fusion.grouped_linear" not in code
         assert records[0].gemm_epilogues == 0
         assert "_grouped_gemv_kernel" in code and "_fused_kv_materialize_kernel" in code
+    elif device == "cuda" and torch.cuda.get_device_capability() >= (9, 0) and seq_len <= grouped_gemm_tma.MAX_TOKENS_TMA:
+        assert records[0].ops_inlined == 2 and "fx_fusion.grouped_linear" not in code
+        assert records[0].gemm_epilogues == 0 and "_grouped_gemv_kernel" not in code
+        assert "_grouped_gemm_tma_kernel" in code and "_fused_kv_materialize_kernel" in code
     elif device == "cuda":  # one GEMM per weight into column slices, then the materialization kernel
         assert records[0].ops_inlined == 2 and "fx_fusion.grouped_linear" not in code
         assert records[0].gemm_epilogues == 0 and "_grouped_gemv_kernel" not in code
-        assert "_fused_kv_materialize_kernel" in code
+        assert "_grouped_gemm_tma_kernel" not in code and "_fused_kv_materialize_kernel" in code
     else:  # the linears as ATen ops, compiled with the graph
         assert records[0].ops_inlined == 2 and "fx_fusion.grouped_linear" not in code
 
