@@ -81,8 +81,8 @@ _library.impl("grouped_linear", grouped_linear, "CompositeExplicitAutograd")
 def grouped_linear_body(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> torch.Tensor:
     """What `fx_fusion.op_lowering` traces in place of a grouped_linear call: on CUDA, for a known token
     count the grouped kernel (or the TMA kernel) serves, that kernel launched through
-    `torch.library.wrap_triton` (Inductor launches it from its generated code); otherwise the linears as ATen mm/addmm and a cat over columns,
-    which Inductor compiles with the graph (no Python-level op per call; on CUDA each cuBLAS GEMM writes
+    `torch.library.wrap_triton` (Inductor launches it from its generated code); otherwise the linears as
+    ATen mm/addmm and a cat over columns, which Inductor compiles with the graph (no Python-level op per call; on CUDA each cuBLAS GEMM writes
     straight into its column slice of the cat's output)."""
     if x.is_cuda and not isinstance(x.shape[0], torch.SymInt):
         out = x.new_empty((x.shape[0], sum(w.shape[0] for w in weights)))
