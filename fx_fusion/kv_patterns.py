@@ -351,8 +351,10 @@ def _match_inverse_rms(
     mean = reduced = _single_user(square, "x^2")
     if is_call(mean, aten.sum.dim_IntList):  # sum(x^2) / head_dim spells the mean
         reduced = _single_user(mean, "sum(x^2)")
-        if not (is_call(reduced, aten.div.Tensor) and reduced.args[0] is mean and reduced.args[1] == static_shape(upcast)[-1]):
-            raise NoMatch("K norm divides a sum by something other than the head dim instead of taking the mean")
+        if not (is_call(reduced, aten.div.Tensor) and reduced.args[0] is mean):
+            raise NoMatch("K norm sums x^2 without dividing by the head dim (an L2 norm, not an RMSNorm)")
+        if reduced.args[1] != static_shape(upcast)[-1]:
+            raise NoMatch("K norm divides sum(x^2) by something other than the head dim instead of taking the mean")
     elif not is_call(mean, aten.mean.dim):
         raise NoMatch("K norm does not take the mean of x^2")
     dims = [d % rank for d in mean.args[1]]

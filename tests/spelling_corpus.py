@@ -51,6 +51,7 @@ class Case:
     build: Callable[[torch.dtype], tuple[nn.Module, tuple]]
     expect: str = "fuse"  # "fuse", or why the math differs (negative cases)
     offending_layer: Optional[int] = None  # negative cases: the layer that must stay out of any group
+    reason: Optional[str] = None  # negative cases the pass rejects: a regex its reason must match
 
     def __repr__(self) -> str:
         return f"Case({self.name})"
@@ -1196,6 +1197,9 @@ class DeviatingLastLayer(nn.Module):
             x = k.to(torch.float32)
             x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)) + attn.k_norm.variance_epsilon
             return attn.k_norm.weight * x.to(k.dtype)
+        if last and self.variant == "l2_norm":  # Dory's weightless K norm: a sum of squares, not a mean
+            x = k.float()
+            return (x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + attn.k_norm.variance_epsilon)).type_as(k)
         return attn.k_norm(k)
 
     def forward(self, hidden_states, position_ids):
@@ -1736,22 +1740,25 @@ CASES: list[Case] = [
 ]
 
 
-def _negative(name: str, variant: str, what: str, expect: str) -> Case:
+def _negative(name: str, variant: str, what: str, expect: str, reason: Optional[str] = None) -> Case:
     return Case(
         name,
         f"{_HF} (last layer: {what})",
         _p(build_deviating, variant=variant),
         expect=expect,
         offending_layer=N_LAYERS - 1,
+        reason=reason,
     )
 
 
 NEGATIVE_CASES: list[Case] = [
-    _negative("neg_layer_norm", "layer_norm", "nn.LayerNorm", "LayerNorm subtracts the mean"),
-    _negative("neg_eps_outside_rsqrt", "eps_outside_rsqrt", "x * rsqrt(ms) + eps", "eps outside the rsqrt"),
+    _negative("neg_layer_norm", "layer_norm", "nn.LayerNorm", "LayerNorm subtracts the mean", "subtracts the mean"),
+    _negative("neg_l2_norm", "l2_norm", "x * rsqrt(sum(x^2) + eps), Dory's K norm", "an L2 norm", "an L2 norm, not an RMSNorm"),
+    _negative("neg_eps_outside_rsqrt", "eps_outside_rsqrt", "x * rsqrt(ms) + eps", "eps outside the rsqrt", "eps sits elsewhere"),
     _negative("neg_transposed_x", "transposed_x", "reads x.transpose(0, 1), B == T", "reads a different input"),
     _negative("neg_channel_shuffled_x", "channel_shuffled_x", "reads x[..., perm]", "reads a different input"),
-    _negative("neg_k_multiplier", "k_multiplier", "K * 0.5 before RoPE, Falcon-H1's key_multiplier", "K scaled before its RoPE"),
+    _negative("neg_k_multiplier", "k_multiplier", "K * 0.5 before RoPE, Falcon-H1's key_multiplier", "K scaled before its RoPE",
+              r"multiplied by a constant \(0\.5\) before its RoPE"),
 ]
 
 # The supported math in spellings the pass does not fuse yet, and the reason it reports (a regex). They

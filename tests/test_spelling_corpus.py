@@ -114,7 +114,9 @@ def test_spelling_not_fused_yet_is_explained_and_matches_eager(case, dtype):
 def test_deviating_layer_not_grouped_and_matches_eager(case, dtype):
     got, ref, fused_kv_pass = compile_and_run(case, dtype)
     assert_matches_eager(got, ref, dtype)
-    groups, _ = groups_and_rejections(fused_kv_pass)
+    groups, rejected = groups_and_rejections(fused_kv_pass)
+    if case.reason is not None:  # rejected, for the reason the case names
+        assert any(re.search(case.reason, r.reason) for r in rejected), describe(fused_kv_pass)
     assert all(g.n_layers < N_LAYERS for g in groups), (
         f"{case.name}: {case.expect}, yet all {N_LAYERS} layers were fused together; {describe(fused_kv_pass)}"
     )
