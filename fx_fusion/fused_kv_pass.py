@@ -292,7 +292,8 @@ def _find_candidates(graph: torch.fx.Graph, record: PassRecord, same_value: Valu
             try:
                 projection = kv_patterns.split_into_layers(kv_patterns.match_projection(node))
             except kv_patterns.ComputedWeight as reason:  # a linear a user may expect to see fused
-                record.rejected.append(Rejection(str(reason), node_location(node)))
+                if kv_patterns.feeds_k_math(reason.projection, same_value):
+                    record.rejected.append(Rejection(str(reason), node_location(node)))
                 continue
             except NoMatch:
                 continue

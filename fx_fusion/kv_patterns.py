@@ -34,6 +34,7 @@ from .values import LAYOUT_OPS, RESHAPES, ValueKeys
 
 aten = torch.ops.aten
 prims = torch.ops.prims
+CASTS = (prims.convert_element_type.default, aten._to_copy.default)
 
 PROJECTION_OPS = {aten.mm.default, aten.addmm.default}
 SLICE_END_MAX = 2**63 - 1
@@ -45,7 +46,12 @@ class NoMatch(Exception):
 
 
 class ComputedWeight(NoMatch):
-    """A linear over a weight (or bias) cut from a parameter in the graph: worth telling the user."""
+    """A linear over a weight (or bias) cut or cast from a parameter in the graph: worth telling the user
+    when K math follows it. `projection`: that linear read as if its weight were a parameter."""
+
+    def __init__(self, reason: str, projection: Optional["Projection"] = None):
+        super().__init__(reason)
+        self.projection = projection
 
 
 def is_parameter_rows(node) -> bool:
@@ -66,11 +72,47 @@ def is_parameter_rows(node) -> bool:
 
 
 def _cut_from_parameter(node) -> bool:
-    """Is `node` a parameter seen through views, slices, selects or gathers (`qkv.weight[kv_rows]`)?"""
+    """Is `node` a parameter seen through views, slices, selects, gathers (`qkv.weight[kv_rows]`) or casts
+    (autocast's copy of a float32 weight in bfloat16)?"""
     cuts = (aten.slice.Tensor, aten.select.int, aten.index.Tensor, aten.index_select.default, aten.t.default)
-    while is_call(node, *LAYOUT_OPS, *cuts):
+    while is_call(node, *LAYOUT_OPS, *cuts, *CASTS):
         node = node.args[0]
     return is_weight_input(node)
+
+
+def _computed_weight(what: str, node, projection: Projection) -> ComputedWeight:
+    """The refusal of `projection`, whose weight or bias (`what`, read from `node`) is cut or cast from a
+    parameter in the graph."""
+    while is_call(node, *LAYOUT_OPS, aten.t.default):
+        node = node.args[0]
+    if is_call(node, *CASTS):
+        reason = (
+            f"projection {what} is a parameter cast to {val(node).dtype} in the graph (autocast, or a module in "
+            "another dtype than its input), not a parameter"
+        )
+    else:
+        reason = f"projection {what} is computed in the graph, not a parameter"
+    return ComputedWeight(reason, projection)
+
+
+def feeds_k_math(projection: Optional[Projection], same_value: Optional[ValueKeys] = None) -> bool:
+    """Does a K norm or RoPE (matching or not) read `projection`'s output? True when unknown."""
+    if projection is None:
+        return True
+    try:
+        projection = split_into_layers(projection)
+        sources = branch_sources(projection)
+    except Exception:
+        return True
+    for source in sources:
+        try:
+            match_k_branch(projection, source, same_value)
+        except NotKBranch:
+            continue
+        except Exception:
+            return True
+        return True
+    return False
 
 
 class NotKBranch(NoMatch):
@@ -172,10 +214,13 @@ def match_projection(node: torch.fx.Node) -> Projection:
 def _linear(node: torch.fx.Node, bias, x2d: torch.fx.Node, rhs: torch.fx.Node) -> Projection:
     """node = x2d @ rhs (+ bias) as a Projection, when rhs is a weight parameter transposed (or a folded
     constant) and bias a parameter with one value per column."""
+    transposed = is_call(rhs, aten.permute.default) and list(rhs.args[1]) == [1, 0]
+    as_if_parameters = Projection(node, x2d, [rhs.args[0] if transposed else rhs], [] if bias is None else [bias], not transposed)
     if bias is not None:
         if not is_parameter_rows(bias) or len(val(bias).shape) != 1:
-            error = ComputedWeight if _cut_from_parameter(bias) else NoMatch
-            raise error("projection bias is computed in the graph, not a parameter")
+            if _cut_from_parameter(bias):
+                raise _computed_weight("bias", bias, as_if_parameters)
+            raise NoMatch("projection bias is computed in the graph, not a parameter")
         if static_shape(bias) != static_shape(node)[-1:]:
             raise NoMatch(f"projection bias has shape {static_shape(bias)}, not one value per output column")
     biases = [bias] if bias is not None else []
@@ -186,7 +231,7 @@ def _linear(node: torch.fx.Node, bias, x2d: torch.fx.Node, rhs: torch.fx.Node) -
     # a contraction over the hidden size of a weight cut from a parameter; not, e.g., rotary angles'
     # outer product (inner size 1)
     if static_shape(x2d)[-1] > 1 and _cut_from_parameter(rhs):
-        raise ComputedWeight("projection weight is computed in the graph, not a parameter")
+        raise _computed_weight("weight", rhs, as_if_parameters)
     raise NoMatch("not a linear projection")
 
 

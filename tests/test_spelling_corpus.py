@@ -127,14 +127,24 @@ def test_deviating_layer_not_grouped_and_matches_eager(case, dtype):
         )
 
 
-def test_k_scaled_before_its_rope_is_named():
-    """Falcon-H1 multiplies K by a constant before the RoPE: the layer stays as written, and the report says
-    why (not that nothing is rotated)."""
-    case = next(c for c in NEGATIVE_CASES if c.name == "neg_k_multiplier")
-    got, ref, fused_kv_pass = compile_and_run(case, torch.float32)
-    assert_matches_eager(got, ref, torch.float32)
-    _, rejected = groups_and_rejections(fused_kv_pass)
-    assert any("multiplied by a constant (0.5) before its RoPE" in r.reason for r in rejected), describe(fused_kv_pass)
+def test_float32_weights_under_autocast_are_named_as_casts():
+    """Under torch.autocast each linear reads a bfloat16 copy of its float32 weight, made in the graph: the
+    K projections are reported as such (the V and other plain linears are not), and the compiled module
+    gives autocast eager's results."""
+    case = next(c for c in CASES if c.name == "hf_qwen3")
+    module, inputs = case.build(torch.float32)
+    fused_kv_pass = fx_fusion.FusedKVPass()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = module(*inputs)
+        got = torch.compile(module, options={"post_grad_custom_post_pass": fused_kv_pass})(*inputs)
+    assert_matches_eager(got, ref, torch.bfloat16)
+    groups, rejected = groups_and_rejections(fused_kv_pass)
+    assert not groups
+    cast = "projection weight is a parameter cast to torch.bfloat16 in the graph"
+    assert sorted(r.location.split()[0] for r in rejected if cast in r.reason) == [
+        f"layers.{i}.k_proj" for i in range(N_LAYERS)
+    ], describe(fused_kv_pass)
+    assert not any("v_proj" in r.location for r in rejected), describe(fused_kv_pass)
 
 
 class _NearlyRotated(torch.nn.Module):
