@@ -6,7 +6,8 @@ Workloads (fx_fusion.drafts.WORKLOADS; bf16, batch 1, realistic sizes): "qwen3-8
 hidden 4096, 8 KV heads x 128, k_norm), "llama3-8b-ctx" (5 Llama layers, no K norm), "qwen3-1layer".
 
 Columns (all timed with triton.testing.do_bench(return_mode="median") under torch.no_grad(), static
-shapes, one compile per T; torch._dynamo.reset() between compiled variants):
+shapes (symbolic token counts with --dynamic), one compile per T; torch._dynamo.reset() between compiled
+variants):
 
     eager          the HF-module ContextKV as written
     inductor       torch.compile(m)                               (default mode, dynamic=False)
@@ -321,7 +322,7 @@ class Bench:
         def compile_and_warm(mode: str | None):
             torch._dynamo.reset()
             backend = backend_fn()
-            kwargs: dict[str, Any] = dict(backend=backend, dynamic=False)
+            kwargs: dict[str, Any] = dict(backend=backend, dynamic=self.args.dynamic)
             if mode is not None:
                 kwargs["mode"] = mode
             compiled = torch.compile(model, **kwargs)
@@ -455,7 +456,8 @@ def markdown(results: dict, meta: dict, columns: list[str]) -> str:
     lines.append(
         f"{meta['device_name']}; torch {meta['torch']}, triton {meta['triton']}, transformers "
         f"{meta['transformers']}; {meta['dtype']}, batch {meta['batch']}; do_bench(warmup={meta['warmup']}, "
-        f"rep={meta['rep']}, median); CUDA graphs: {meta['graph_method']}."
+        f"rep={meta['rep']}, median); CUDA graphs: {meta['graph_method']}"
+        f"{'; compiled with dynamic=True' if meta.get('dynamic') else ''}."
     )
     c = meta.get("ceilings") or {}
     if c:
@@ -518,6 +520,10 @@ def main(argv: list[str] | None = None) -> int:
         "--columns", default=",".join(DEFAULT_COLUMNS), help="comma-separated subset of the columns (default: all but fxf_sep*)"
     )
     parser.add_argument("--graph", choices=["manual", "reduce-overhead"], default="manual")
+    parser.add_argument(
+        "--dynamic", action="store_true",
+        help="compile with dynamic=True (symbolic token count; dynamo still specializes T = 1)",
+    )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")
     parser.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
@@ -561,6 +567,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "warmup": args.warmup,
         "rep": args.rep,
+        "dynamic": args.dynamic,
         "graph_method": (
             "manual torch.cuda.CUDAGraph capture of the warmed-up callable, replay timed"
             if args.graph == "manual"

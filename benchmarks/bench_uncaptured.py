@@ -1,6 +1,6 @@
 """Uncaptured draft context K/V, back to back: torch.compile default vs fx_fusion, the columns interleaved.
 
-    python benchmarks/bench_uncaptured.py [--workloads a,b] [--seq-lens 1,16,...] [--repeats 16] [--out DIR]
+    python benchmarks/bench_uncaptured.py [--workloads a,b] [--seq-lens 1,16,...] [--repeats 16] [--dynamic] [--out DIR]
 
 Without CUDA graphs a call up to T ~ 1024 is bound by host work, and this host's speed drifts by up to 2x
 over seconds, so timing one column after the other compares the drift. Here both columns are compiled in
@@ -32,10 +32,10 @@ from fx_fusion.drafts import build_workload, example_inputs  # noqa: E402
 COLUMNS = ("inductor", "fx_fusion")
 
 
-def compiled_call(model, inputs: tuple, backend: str, reference) -> callable:
+def compiled_call(model, inputs: tuple, backend: str, reference, dynamic: bool = False) -> callable:
     """The warmed-up compiled call of `model` on `inputs`, its outputs checked against `reference`."""
     with bench_whole_model.caches_off():  # the pass runs (no compiled graph served from a cache)
-        compiled = torch.compile(model, backend=backend)
+        compiled = torch.compile(model, backend=backend, dynamic=dynamic)
         error = bench_module.rel_error(compiled(*inputs), reference)
     if not error < 2e-2:
         raise RuntimeError(f"{backend}: relative error {error:.3g} against eager")
@@ -47,7 +47,7 @@ def measure(workload: str, seq_len: int, device: torch.device, dtype: torch.dtyp
     inputs = example_inputs(model, seq_len=seq_len, device=device)
     reference = model(*inputs)
     torch._dynamo.reset()  # once per model: the columns' compiled code lives side by side
-    calls = {column: compiled_call(model, inputs, column, reference) for column in COLUMNS}
+    calls = {column: compiled_call(model, inputs, column, reference, args.dynamic) for column in COLUMNS}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = bench_whole_model.block_times_interleaved(calls, args, sync)
     ratios = sorted(f / i for f, i in zip(times["fx_fusion"]["rounds_us"], times["inductor"]["rounds_us"]))
@@ -65,7 +65,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines = [
         "# fx-fusion: draft context K/V uncaptured, back to back (columns interleaved)",
         "",
-        f"{meta['device']}; torch {meta['torch']}; {meta['dtype']}, batch 1; {meta['repeats']} rounds, blocks of "
+        f"{meta['device']}; torch {meta['torch']}; {meta['dtype']}, batch 1"
+        f"{', dynamic=True' if meta.get('dynamic') else ''}; {meta['repeats']} rounds, blocks of "
         f">= {meta['block_ms']} ms. Cells: median us per call (10th-90th percentile over rounds); ratio: "
         "fx_fusion / torch.compile, ratio of the medians (10th-90th percentile of the per-round ratios).",
         "",
@@ -90,13 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-calls", type=int, default=10, help="minimum calls per block")
     parser.add_argument("--device", default="cuda", help="cuda (default); cpu only for smoke runs")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dynamic", action="store_true", help="compile with dynamic=True (symbolic token count)")
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     torch.set_grad_enabled(False)
     meta = dict(
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        torch=torch.__version__, dtype=args.dtype, repeats=args.repeats, block_ms=args.block_ms,
+        torch=torch.__version__, dtype=args.dtype, repeats=args.repeats, block_ms=args.block_ms, dynamic=args.dynamic,
     )
     os.makedirs(args.out, exist_ok=True)
     rows = []

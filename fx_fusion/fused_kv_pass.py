@@ -716,9 +716,12 @@ def _rewrite_group(
                 if eps_nodes:  # eps arrives as a tensor (dynamic floats): gather one per layer
                     device = val(proj).device  # dynamo passes unspecialized floats as CPU scalar tensors
                     eps32 = [builder.call(torch.ops.prims.convert_element_type.default, e, torch.float32) for e in eps_nodes]
+                    if val(eps32[0]).device != device:
+                        # 0 + eps on the device: Inductor passes a CPU scalar to its kernel by value, where a
+                        # copy to the device would be one per call (and no CUDA graph could capture it)
+                        zero = builder.call(aten.full.default, [1], 0.0, dtype=torch.float32, device=device)
+                        eps32 = [builder.call(aten.add.Tensor, zero, e) for e in eps32]
                     eps_tensor = builder.call(aten.cat.default, [builder.call(aten.view.default, e, [1]) for e in eps32])
-                    if val(eps_tensor).device != device:
-                        eps_tensor = builder.call(torch.ops.prims.device_put.default, eps_tensor, device)
                 else:
                     eps_value = first.norm.eps
             if cache_positions is not None:  # the op gathers cos/sin rows itself

@@ -333,8 +333,8 @@ def lower_fused_ops(graph: torch.fx.Graph, gemm_epilogue: bool = True) -> tuple[
         try:
             inline_call(graph, node, body, traces, writable)
             inlined += 1
-        except NotImplementedError:  # the body does not serve this call: the op call is the right code
-            continue
+        except NotImplementedError as reason:  # the body does not serve this call: the op call is the right code
+            kept.append(f"{node.name}: {reason}")
         except Exception as error:  # noqa: BLE001  (any tracing failure: keep the op call)
             kept.append(f"{node.name}: {type(error).__name__}: {error}")
     return inlined, kept, epilogues, notes

@@ -38,6 +38,13 @@ _library = torch.library.Library("fx_fusion", "FRAGMENT")
 _library.define("grouped_linear(Tensor x, Tensor[] weights, Tensor[] biases) -> Tensor")
 
 
+SYMBOLIC_TOKENS = "a symbolic token count on CUDA: the op call picks the grouped kernel for each call's count"
+# From this many weights a symbolic token count keeps the op call. Measured on an H200 (dynamic=True, bf16;
+# benchmarks/RESULTS.md): a 5-layer draft (10 weights) CUDA-graphed 38.8 / 48.1 / 96.4 us at 16 / 128 / 512
+# tokens against 92.6 / 99.4 / 115.8 with a GEMM per weight, uncaptured level at 16 and 128 but 1.29x at
+# 512 (the Python launch); one layer (2 weights) graphed 19.2 against 24.8 but uncaptured 1.7x at 16.
+MIN_WEIGHTS_FOR_SYMBOLIC_CALL = 6
+
 MIN_BLOCK_ROWS = 64  # row blocks narrower than this would leave the grouped kernel's tiles mostly empty
 
 
@@ -82,8 +89,15 @@ def grouped_linear_body(x: torch.Tensor, weights: list[torch.Tensor], biases: li
     """What `fx_fusion.op_lowering` traces in place of a grouped_linear call: on CUDA, for a known token
     count the grouped kernel (or the TMA kernel) serves, that kernel launched through
     `torch.library.wrap_triton` (Inductor launches it from its generated code); otherwise the linears as
-    ATen mm/addmm and a cat over columns, which Inductor compiles with the graph (no Python-level op per call; on CUDA each cuBLAS GEMM writes
-    straight into its column slice of the cat's output)."""
+    ATen mm/addmm and a cat over columns, which Inductor compiles with the graph (no Python-level op per
+    call; on CUDA each cuBLAS GEMM writes straight into its column slice of the cat's output).
+
+    Raises NotImplementedError for a symbolic token count on CUDA over MIN_WEIGHTS_FOR_SYMBOLIC_CALL or more
+    weights (a multi-layer draft): which kernel serves a call depends on its count, so the op call stays
+    and picks one per call (one op dispatch, where GEMMs per weight would give up the grouped kernels at
+    every count). Fewer weights (one layer's projections) keep GEMMs per weight, launched by Inductor."""
+    if x.is_cuda and isinstance(x.shape[0], torch.SymInt) and len(weights) >= MIN_WEIGHTS_FOR_SYMBOLIC_CALL:
+        raise NotImplementedError(SYMBOLIC_TOKENS)
     if x.is_cuda and not isinstance(x.shape[0], torch.SymInt):
         out = x.new_empty((x.shape[0], sum(w.shape[0] for w in weights)))
         blocks, bias_blocks = equal_row_blocks(weights, biases)

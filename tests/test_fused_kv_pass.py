@@ -22,7 +22,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMS
 from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
 import fx_fusion
-from fx_fusion import drafts, kv_patterns
+from fx_fusion import cuda_graphs, drafts, kv_patterns
 from fx_fusion.kernels import grouped_gemm_tma, grouped_gemv
 from fx_fusion.memo import OutcomeMemo
 from fx_fusion.diagnostics import RecordSink
@@ -766,11 +766,11 @@ def test_grouped_kernel_launch_options_in_inductor_code(n_layers, tokens, expect
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_many_tokens_on_cuda_run_cublas_from_inductor_code():
-    """Past the grouped kernel's token count the projections are cuBLAS GEMMs launched by Inductor (into
+    """Past the grouped kernels' token counts the projections are cuBLAS GEMMs launched by Inductor (into
     column slices of one output), not a Python-level op call."""
     n_layers = 3
     module = drafts.qwen3_context_kv(n_layers, dtype=torch.bfloat16, device="cuda")
-    inputs = drafts.example_inputs(module, seq_len=grouped_gemv.max_tokens(2 * n_layers) + 1)  # K and V each
+    inputs = drafts.example_inputs(module, seq_len=grouped_gemm_tma.token_range(2 * n_layers)[1] + 1)  # K and V each
     records = []
     with torch.no_grad(), RecordSink.collect(records):
         got, codes = torch._inductor.utils.run_and_get_code(torch.compile(module, backend="fx_fusion"), *inputs)
@@ -778,6 +778,36 @@ def test_many_tokens_on_cuda_run_cublas_from_inductor_code():
     code = "\n".join(codes)
     assert only_fused_groups(records) and records[0].ops_inlined == 2 and not records[0].ops_kept
     assert "fx_fusion.grouped_linear" not in code and "extern_kernels.mm(" in code
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("n_layers", [3, 1])
+def test_symbolic_token_count_on_cuda_keeps_one_grouped_linear_call(n_layers, fresh_compile):
+    """With a symbolic token count (dynamic=True) a multi-layer draft's grouped GEMM stays one op call that
+    picks its kernel per call (the grouped kernel, the TMA kernel or a GEMM per weight), rather than a GEMM
+    per weight at every count; one layer's two weights keep GEMMs per weight launched by Inductor. One
+    compile gives eager's K/V at each count, the report says why a call was kept. The norm eps, a CPU
+    scalar input under dynamic=True, reaches the kernel without a copy to the device, so a CUDA graph
+    captures the compiled call."""
+    module = drafts.qwen3_context_kv(n_layers, dtype=torch.bfloat16, device="cuda")
+    counter = torch._dynamo.testing.CompileCounterWithBackend("fx_fusion")
+    records = []
+    with torch.no_grad(), RecordSink.collect(records):
+        compiled = torch.compile(module, backend=counter, dynamic=True)
+        for seq_len in (3, 17, 300, 1100):
+            inputs = drafts.example_inputs(module, seq_len=seq_len, seed=seq_len)
+            if seq_len == 3:
+                got, codes = torch._inductor.utils.run_and_get_code(compiled, *inputs)
+                code = "\n".join(codes)
+            else:
+                got = compiled(*inputs)
+            assert_close_outputs(got, module(*inputs), torch.bfloat16)
+            replay = cuda_graphs.capture(lambda: compiled(*inputs))  # noqa: B023  (captured and run here)
+            assert_close_outputs(replay(), module(*inputs), torch.bfloat16)
+    assert counter.frame_count == 1
+    kept_for_symbolic = any("symbolic token count" in kept for kept in records[0].ops_kept)
+    assert only_fused_groups(records) and ("fx_fusion.grouped_linear" in code) == (n_layers > 1), records[0].summary()
+    assert kept_for_symbolic == (n_layers > 1), records[0].ops_kept
 
 
 class NegatedAngleWeightlessNormContext(nn.Module):
