@@ -127,7 +127,7 @@ def test_deviating_layer_not_grouped_and_matches_eager(case, dtype):
         )
 
 
-def test_float32_weights_under_autocast_are_named_as_casts():
+def test_float32_weights_under_autocast_are_named_as_casts(fresh_compile):
     """Under torch.autocast each linear reads a bfloat16 copy of its float32 weight, made in the graph: the
     K projections are reported as such (the V and other plain linears are not), and the compiled module
     gives autocast eager's results."""
