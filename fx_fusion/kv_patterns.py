@@ -80,9 +80,11 @@ def _cut_from_parameter(node) -> bool:
     return is_weight_input(node)
 
 
-def _computed_weight(what: str, node, projection: Projection) -> ComputedWeight:
-    """The refusal of `projection`, whose weight or bias (`what`, read from `node`) is cut or cast from a
-    parameter in the graph."""
+def _computed_weight(what: str, node, linear: torch.fx.Node, bias, x2d: torch.fx.Node, rhs: torch.fx.Node) -> ComputedWeight:
+    """The refusal of `linear` = x2d @ rhs (+ bias), whose weight or bias (`what`, read from `node`) is cut
+    or cast from a parameter in the graph; it carries the linear read as if rhs were a parameter."""
+    transposed = is_call(rhs, aten.permute.default) and list(rhs.args[1]) == [1, 0]
+    projection = Projection(linear, x2d, [rhs.args[0] if transposed else rhs], [] if bias is None else [bias], not transposed)
     while is_call(node, *LAYOUT_OPS, aten.t.default):
         node = node.args[0]
     if is_call(node, *CASTS):
@@ -214,12 +216,10 @@ def match_projection(node: torch.fx.Node) -> Projection:
 def _linear(node: torch.fx.Node, bias, x2d: torch.fx.Node, rhs: torch.fx.Node) -> Projection:
     """node = x2d @ rhs (+ bias) as a Projection, when rhs is a weight parameter transposed (or a folded
     constant) and bias a parameter with one value per column."""
-    transposed = is_call(rhs, aten.permute.default) and list(rhs.args[1]) == [1, 0]
-    as_if_parameters = Projection(node, x2d, [rhs.args[0] if transposed else rhs], [] if bias is None else [bias], not transposed)
     if bias is not None:
         if not is_parameter_rows(bias) or len(val(bias).shape) != 1:
             if _cut_from_parameter(bias):
-                raise _computed_weight("bias", bias, as_if_parameters)
+                raise _computed_weight("bias", bias, node, bias, x2d, rhs)
             raise NoMatch("projection bias is computed in the graph, not a parameter")
         if static_shape(bias) != static_shape(node)[-1:]:
             raise NoMatch(f"projection bias has shape {static_shape(bias)}, not one value per output column")
@@ -231,7 +231,7 @@ def _linear(node: torch.fx.Node, bias, x2d: torch.fx.Node, rhs: torch.fx.Node) -
     # a contraction over the hidden size of a weight cut from a parameter; not, e.g., rotary angles'
     # outer product (inner size 1)
     if static_shape(x2d)[-1] > 1 and _cut_from_parameter(rhs):
-        raise _computed_weight("weight", rhs, as_if_parameters)
+        raise _computed_weight("weight", rhs, node, bias, x2d, rhs)
     raise NoMatch("not a linear projection")
 
 

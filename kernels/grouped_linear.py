@@ -96,9 +96,10 @@ def grouped_linear_body(x: torch.Tensor, weights: list[torch.Tensor], biases: li
     weights (a multi-layer draft): which kernel serves a call depends on its count, so the op call stays
     and picks one per call (one op dispatch, where GEMMs per weight would give up the grouped kernels at
     every count). Fewer weights (one layer's projections) keep GEMMs per weight, launched by Inductor."""
-    if x.is_cuda and isinstance(x.shape[0], torch.SymInt) and len(weights) >= MIN_WEIGHTS_FOR_SYMBOLIC_CALL:
+    symbolic = isinstance(x.shape[0], torch.SymInt)
+    if x.is_cuda and symbolic and len(weights) >= MIN_WEIGHTS_FOR_SYMBOLIC_CALL:
         raise NotImplementedError(SYMBOLIC_TOKENS)
-    if x.is_cuda and not isinstance(x.shape[0], torch.SymInt):
+    if x.is_cuda and not symbolic:
         out = x.new_empty((x.shape[0], sum(w.shape[0] for w in weights)))
         blocks, bias_blocks = equal_row_blocks(weights, biases)
         if grouped_gemv_supported(x, blocks, bias_blocks, out, gemms=len(weights)):
