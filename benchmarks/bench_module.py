@@ -5,9 +5,9 @@
 Workloads (fx_fusion.drafts.WORKLOADS; bf16, batch 1, realistic sizes): "qwen3-8b-dflash" (5 Qwen3 layers,
 hidden 4096, 8 KV heads x 128, k_norm), "llama3-8b-ctx" (5 Llama layers, no K norm), "qwen3-1layer".
 
-Columns (all timed with triton.testing.do_bench(return_mode="median") under torch.no_grad(), static
-shapes (symbolic token counts with --dynamic), one compile per T; torch._dynamo.reset() between compiled
-variants):
+Columns (all timed with triton.testing.do_bench(return_mode="median") under torch.no_grad(), or with
+--l2-flush read its loop with L2 emptied by reading instead of zeroing (`Timer`), static shapes (symbolic
+token counts with --dynamic), one compile per T; torch._dynamo.reset() between compiled variants):
 
     eager          the HF-module ContextKV as written
     inductor       torch.compile(m)                               (default mode, dynamic=False)
@@ -98,17 +98,30 @@ def short_error(exc: BaseException) -> str:
 
 
 class Timer:
-    def __init__(self, device: torch.device, warmup: int, rep: int) -> None:
+    """Per-call GPU time. `l2_flush` says how L2 is emptied before each timed call: "zero" (Triton's
+    `do_bench`: a 256 MB buffer zeroed, which leaves L2 full of dirty lines that the timed call then writes
+    back to memory as it streams its own data in) or "read" (the same buffer read, leaving clean lines that
+    are dropped for free)."""
+
+    FLUSH_BYTES = 256 * 1024 * 1024
+
+    def __init__(self, device: torch.device, warmup: int, rep: int, l2_flush: str = "zero") -> None:
+        if l2_flush not in ("zero", "read"):
+            raise ValueError(f"l2_flush must be 'zero' or 'read', got {l2_flush!r}")
         self.device = device
         self.warmup = warmup
         self.rep = rep
+        self.l2_flush = l2_flush
+        self._flush_buffer = None
 
     def __call__(self, fn: Callable[[], Any], return_mode: str = "median") -> float:
         """Median (or return_mode's) microseconds per call."""
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.l2_flush == "zero":
             from triton.testing import do_bench
 
             return float(do_bench(fn, warmup=self.warmup, rep=self.rep, return_mode=return_mode)) * 1e3
+        if self.device.type == "cuda":
+            return self._read_flushed(fn, return_mode)
         # CPU fallback (smoke runs only): median of wall-clock calls within ~rep ms.
         for _ in range(2):
             fn()
@@ -120,6 +133,43 @@ class Timer:
             times.append(time.perf_counter() - t0)
         times.sort()
         return times[len(times) // 2] * 1e6
+
+    def _read_flushed(self, fn: Callable[[], Any], return_mode: str) -> float:
+        """do_bench's loop (calls for about `rep` ms, each between two events) with a reading flush."""
+        if self._flush_buffer is None:
+            self._flush_buffer = torch.ones(self.FLUSH_BYTES // 4, dtype=torch.float32, device=self.device)
+        flush_sink = torch.empty((), dtype=torch.float32, device=self.device)
+
+        def flush() -> None:
+            torch.sum(self._flush_buffer, dim=0, out=flush_sink)
+
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            flush()
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        estimate_ms = max(start.elapsed_time(end) / 5, 1e-3)
+        for _ in range(max(1, int(self.warmup / estimate_ms))):
+            fn()
+        n = max(1, int(self.rep / estimate_ms))
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        for i in range(n):
+            flush()
+            starts[i].record()
+            fn()
+            ends[i].record()
+        torch.cuda.synchronize()
+        times = sorted(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
+        if return_mode == "min":
+            return times[0]
+        if return_mode == "mean":
+            return sum(times) / len(times)
+        return times[len(times) // 2]
 
 
 def capture_graph(fn: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
@@ -269,7 +319,7 @@ class Bench:
     def __init__(self, args, device: torch.device) -> None:
         self.args = args
         self.device = device
-        self.timer = Timer(device, args.warmup, args.rep)
+        self.timer = Timer(device, args.warmup, args.rep, args.l2_flush)
         self.columns = args.columns
 
     def _record(self, cell: dict, tag: str, name: str, fn: Callable[[], Any], ref, t_build: float) -> None:
@@ -527,6 +577,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")
     parser.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
+    parser.add_argument(
+        "--l2-flush", choices=["zero", "read"], default="zero",
+        help="how L2 is emptied before each timed call (see Timer; zero: triton's do_bench)",
+    )
     parser.add_argument("--device", default="cuda", help="cuda (default); cpu only for smoke runs")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", default="bench_out", help="folder for bench_module.json / bench_module.md")
@@ -567,6 +621,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "warmup": args.warmup,
         "rep": args.rep,
+        "l2_flush": args.l2_flush,
         "dynamic": args.dynamic,
         "graph_method": (
             "manual torch.cuda.CUDAGraph capture of the warmed-up callable, replay timed"

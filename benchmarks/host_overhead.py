@@ -1,12 +1,13 @@
 """Host cost per call of the uncaptured paths (GPU): where the time of a call without CUDA graphs goes.
 
-    python benchmarks/host_overhead.py [--workload qwen3-8b-dflash] [--seq-len 1] [--out DIR]
+    python benchmarks/host_overhead.py [--workload qwen3-8b-dflash] [--seq-len 1] [--dynamic] [--out DIR]
 
 At small T every path here is bound by host work, so the time of `calls` back-to-back calls divided by
 `calls` (one synchronize at the end) is the host cost per call. Measured, side by side in one run: the
 compiled module (torch.compile default and the fx_fusion backend), the hand-fused module, the pieces of
 the fused path on their own (the grouped GEMM op, the materialization op, its validation, the Triton
-launch), and a cProfile of fx_fusion-compiled calls. Writes host_overhead.txt to --out.
+launch), and a cProfile of fx_fusion-compiled calls. `--dynamic` compiles with a symbolic token count.
+Writes host_overhead[_dynamic]_T<seq-len>.txt to --out.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 import fx_fusion.backend  # noqa: F401  (registers the backend when no entry point did)
 from fx_fusion.drafts import HandFusedContextKV, build_workload, example_inputs
-from fx_fusion.kernels import ops
+from fx_fusion.kernels import grouped_gemm_tma, ops
 from fx_fusion.kernels.fused_kv_materialize import launch_fused_kv_materialize
 
 
@@ -62,6 +63,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="qwen3-8b-dflash")
     parser.add_argument("--seq-len", type=int, default=1)
+    parser.add_argument("--dynamic", action="store_true", help="compile with dynamic=True")
     parser.add_argument("--out", default=".")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: a smoke run only
@@ -80,11 +82,11 @@ def main(argv=None) -> int:
         report("eager module", lambda: model(x, pos))
         report("hand-fused module (SGLang form)", lambda: hand(x, pos))
         torch._dynamo.reset()
-        inductor = torch.compile(model)
+        inductor = torch.compile(model, dynamic=args.dynamic or None)
         report("torch.compile default", lambda: inductor(x, pos))
         tables = [profile_table("torch.compile default", lambda: inductor(x, pos))]
         torch._dynamo.reset()
-        fused = torch.compile(model, backend="fx_fusion")
+        fused = torch.compile(model, backend="fx_fusion", dynamic=args.dynamic or None)
         report("torch.compile backend=fx_fusion", lambda: fused(x, pos))
         tables.append(profile_table("torch.compile backend=fx_fusion", lambda: fused(x, pos)))
 
@@ -95,6 +97,19 @@ def main(argv=None) -> int:
         weights = [layer.k_proj.weight for layer in model.layers] + [layer.v_proj.weight for layer in model.layers]
         report("torch.mm on pre-stacked weights", lambda: torch.mm(flat, hand.kv_weight.t()))
         report("fx_fusion::grouped_linear (2L weights)", lambda: torch.ops.fx_fusion.grouped_linear(flat, weights, []))
+        out = flat.new_empty((flat.shape[0], sum(w.shape[0] for w in weights)))
+        report("  grouped_gemm_tma.unsupported_reason", lambda: grouped_gemm_tma.unsupported_reason(flat, weights, [], out))
+        if grouped_gemm_tma.unsupported_reason(flat, weights, [], out) is None:
+            report("  grouped_gemm_tma.launch", lambda: grouped_gemm_tma.launch(flat, weights, [], out))
+            n, rows = flat.shape[0], weights[0].shape[0]
+            report("  grouped_gemm_tma.launch_config", lambda: grouped_gemm_tma.launch_config(n, rows, len(weights), device))
+
+            def enter_device() -> None:
+                with torch.cuda.device(device):
+                    pass
+
+            report("  an empty `with torch.cuda.device(...)`", enter_device)
+            tables.append(profile_table("grouped_gemm_tma.launch", lambda: grouped_gemm_tma.launch(flat, weights, [], out)))
         kv = torch.mm(flat, hand.kv_weight.t()).view(-1, L, 2 * H * D)
         k_proj, v_proj = kv[..., : H * D], kv[..., H * D :]
         norm = [hand.k_norm_weight] if hand.k_norm_weight is not None else []
@@ -122,9 +137,10 @@ def main(argv=None) -> int:
     pstats.Stats(profile, stream=stream).sort_stats("tottime").print_stats(35)
     text = "\n".join(lines) + "\n\n" + "\n\n".join(tables) + "\n\ncProfile of 300 fx_fusion-compiled calls (by tottime):\n" + stream.getvalue()
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "host_overhead.txt"), "w") as f:
+    name = f"host_overhead{'_dynamic' if args.dynamic else ''}_T{args.seq_len}.txt"
+    with open(os.path.join(args.out, name), "w") as f:
         where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-        f.write(f"{where}, torch {torch.__version__}, {args.workload}, T={args.seq_len}\n")
+        f.write(f"{where}, torch {torch.__version__}, {args.workload}, T={args.seq_len}, dynamic={args.dynamic}\n")
         f.write(text)
     print(stream.getvalue()[:3000])
     return 0

@@ -64,6 +64,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from .launch_math import ceil_div, next_power_of_2
+
 # Rows are (token, head) pairs; the kernel computes row / column indices in int32.
 MAX_ROWS_PER_LAYER = 2**31 - 2**20
 
@@ -394,10 +396,10 @@ def default_launch_config(rows_per_layer: int, head_dim: int) -> tuple[int, int]
     only); no autotuning,
     so the choice is a pure function of the shapes (safe under CUDA-graph capture and dynamic shapes).
     """
-    head_pad = triton.next_power_of_2(head_dim)
+    head_pad = next_power_of_2(head_dim)
     block_rows = 4096 // head_pad
     if not isinstance(rows_per_layer, torch.SymInt):  # a symbolic size (traced, dynamic) keeps the full tile
-        block_rows = max(1, min(block_rows, triton.next_power_of_2(rows_per_layer)))
+        block_rows = max(1, min(block_rows, next_power_of_2(rows_per_layer)))
     num_warps = max(1, min(4, block_rows * head_pad // 1024))
     return block_rows, num_warps
 
@@ -525,9 +527,9 @@ def launch_fused_kv_materialize(
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         ROTARY_DIM=rotary_dim,
-        HALF_PAD=triton.next_power_of_2(rotary_dim // 2),
-        PASS_PAD=triton.next_power_of_2(head_dim - rotary_dim) if head_dim > rotary_dim else 0,
-        HEAD_PAD=triton.next_power_of_2(head_dim),
+        HALF_PAD=next_power_of_2(rotary_dim // 2),
+        PASS_PAD=next_power_of_2(head_dim - rotary_dim) if head_dim > rotary_dim else 0,
+        HEAD_PAD=next_power_of_2(head_dim),
         BLOCK_ROWS=block_rows,
         HAS_NORM=has_norm,
         HAS_EPS_TENSOR=has_eps_tensor,
@@ -594,7 +596,7 @@ def launch_fused_kv_materialize(
                 args.update(k_scale_ptr=cache.k_scale)
             if meta["V_SCALED"]:
                 args.update(v_scale_ptr=cache.v_scale)
-        grid = (triton.cdiv(num_rows, block_rows), count)
+        grid = (ceil_div(num_rows, block_rows), count)
         kernel[grid](*_in_kernel_order(args), **meta, NUM_OUT_BUFFERS=len(k_outs), NUM_NORM_WEIGHTS=num_norm_weights)
 
     with contextlib.ExitStack() as stack:

@@ -28,6 +28,7 @@ CPU tensors run through Triton's interpreter (tests only; admitted only when TRI
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 
@@ -37,7 +38,16 @@ import triton.language as tl
 from torch._subclasses.fake_tensor import is_fake
 from triton.runtime.interpreter import InterpretedFunction
 
-from .grouped_gemv import MANY_WEIGHTS, MAX_TOKENS, MAX_TOKENS_MANY_WEIGHTS, MAX_WEIGHTS_PER_LAUNCH, _interpretable_helpers
+from .grouped_gemv import (
+    MANY_WEIGHTS,
+    MAX_TOKENS,
+    MAX_TOKENS_MANY_WEIGHTS,
+    MAX_WEIGHTS_PER_LAUNCH,
+    _interpretable_helpers,
+    sm_count,
+    uniform_weights_reason,
+)
+from .launch_math import ceil_div
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 TMA_ALIGNMENT = 16  # bytes: base addresses and row strides of TMA tensors
@@ -139,6 +149,8 @@ def _triton_version() -> tuple[int, int]:
 def _aligned(t: torch.Tensor) -> bool:
     """Whether t's first element sits on a TMA_ALIGNMENT boundary. Tensors without data (fake, functional or
     meta tensors while tracing): by their storage offset, storages being allocated aligned."""
+    if type(t) in _PLAIN_TENSOR_TYPES and not t.is_meta:  # real data: its address (fast, per call)
+        return t.data_ptr() % TMA_ALIGNMENT == 0
     offset = t.storage_offset()
     if not isinstance(offset, int) or offset * t.element_size() % TMA_ALIGNMENT:
         return False
@@ -150,9 +162,18 @@ def _aligned(t: torch.Tensor) -> bool:
         return True
 
 
-def _tma_layout(t: torch.Tensor) -> bool:
-    """A 2-D tensor TMA can address: unit stride along the last axis, aligned base and row stride."""
-    return t.stride(1) == 1 and t.stride(0) * t.element_size() % TMA_ALIGNMENT == 0 and _aligned(t)
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _tma_rows(t: torch.Tensor) -> bool:
+    """Rows of a 2-D tensor TMA can address: unit stride along the last axis, an aligned row stride."""
+    row_stride, column_stride = t.stride()
+    return column_stride == 1 and row_stride * t.element_size() % TMA_ALIGNMENT == 0
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
 
 
 def unsupported_reason(
@@ -163,37 +184,39 @@ def unsupported_reason(
     gemms: int | None = None,
 ) -> str | None:
     """None when `launch(x, weights, biases, out)` applies, else why not (one line). `gemms`: how many
-    GEMMs the launch replaces (default one per weight), which sets the token range (`token_range`)."""
+    GEMMs the launch replaces (default one per weight), which sets the token range (`token_range`).
+    Cheapest checks first: an uncaptured op call runs this on every call."""
     if not weights:
         return "no weights"
     w = weights[0]
-    if x.dim() != 2 or out.dim() != 2 or any(wi.dim() != 2 for wi in weights):
+    if x.dim() != 2 or out.dim() != 2:
         return "x, out and every weight must be 2-D"
-    if any(wi.shape != w.shape or wi.stride() != w.stride() or wi.dtype != w.dtype for wi in weights):
-        return "weights differ in shape, strides or dtype"
+    n = x.shape[0]
+    lo, hi = token_range(len(weights) if gemms is None else gemms)
+    if not lo < n <= hi:
+        return f"N = {n} tokens outside ({lo}, {hi}], the kernel's range for these weights"
+    if uniform_weights_reason(weights) is not None:
+        return "weights differ in shape, strides, dtype or device, or are not 2-D"
     if w.dtype not in SUPPORTED_DTYPES or x.dtype != w.dtype or out.dtype != w.dtype:
         return f"x, weights and out must share one of {SUPPORTED_DTYPES}"
-    if any(t.device != w.device for t in (x, out, *weights, *biases)):
+    if x.device != w.device or out.device != w.device or any(b.device != w.device for b in biases):
         return "x, weights, biases and out must be on one device"
     if w.device.type == "cpu":
         if os.environ.get("TRITON_INTERPRET") != "1":
             return "CPU tensors need TRITON_INTERPRET=1 (Triton interpreter)"
         if _triton_version() < MIN_INTERPRETER_VERSION:
             return f"Triton {triton.__version__}'s interpreter does not run this kernel (3.6's fails; 3.9's runs it)"
-    elif w.device.type != "cuda" or torch.cuda.get_device_capability(w.device) < (9, 0):
+    elif w.device.type != "cuda" or _capability(_device_index(w.device)) < (9, 0):
         return "TMA needs a CUDA device of compute capability 9.0 or newer"
     if not hasattr(tl, "make_tensor_descriptor"):
         return "this Triton has no tl.make_tensor_descriptor"
     rows, k = w.shape
-    n = x.shape[0]
     if rows < 1 or k < 1 or x.shape[1] != k:
         return f"x [{n}, {x.shape[1]}] and weights [{rows}, {k}] do not fit"
-    lo, hi = token_range(len(weights) if gemms is None else gemms)
-    if not lo < n <= hi:
-        return f"N = {n} tokens outside ({lo}, {hi}], the kernel's range for these weights"
     if tuple(out.shape) != (n, len(weights) * rows):
         return f"out is {tuple(out.shape)}, expected {(n, len(weights) * rows)}"
-    if not all(_tma_layout(t) for t in (x, out, *weights)) or rows * w.element_size() % TMA_ALIGNMENT:
+    rows_fit = _tma_rows(x) and _tma_rows(out) and _tma_rows(w) and rows * w.element_size() % TMA_ALIGNMENT == 0
+    if not rows_fit or not all(_aligned(t) for t in (x, out, *weights)):  # weights share w's strides
         return "x, weights or out not laid out for TMA (unit last stride, 16-byte aligned rows and bases)"
     if biases:
         if len(biases) != len(weights) or any(b.shape != (rows,) or b.dtype != w.dtype for b in biases):
@@ -201,6 +224,10 @@ def unsupported_reason(
         if len({b.stride() for b in biases}) > 1:
             return "biases differ in stride"
     return None
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def launch_config(n: int, rows: int, n_weights: int, device: torch.device) -> dict[str, int]:
@@ -211,11 +238,11 @@ def launch_config(n: int, rows: int, n_weights: int, device: torch.device) -> di
     small tests reach every tail."""
     if device.type != "cuda":
         return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 2, "PROGRAMS": 3}
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    token_tiles = triton.cdiv(n, 128)
-    waves = lambda width: triton.cdiv(token_tiles * n_weights * triton.cdiv(rows, width), sms)  # noqa: E731
+    sms = sm_count(device)
+    token_tiles = ceil_div(n, 128)
+    waves = lambda width: ceil_div(token_tiles * n_weights * ceil_div(rows, width), sms)  # noqa: E731
     block_n, stages = (128, 5) if waves(128) < 2 * waves(256) else (256, 3)
-    tiles = token_tiles * n_weights * triton.cdiv(rows, block_n)
+    tiles = token_tiles * n_weights * ceil_div(rows, block_n)
     return {
         "BLOCK_M": 128, "BLOCK_N": block_n, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": stages,
         "PROGRAMS": min(tiles, sms),
@@ -263,11 +290,11 @@ def launch(
         chunk_out = out if g == len(weights) else out[:, start * rows : (start + g) * rows]
         config = launch_config(n, rows, g, x.device)
         config.update(overrides)
-        token_tiles, row_tiles = triton.cdiv(n, config["BLOCK_M"]), triton.cdiv(rows, config["BLOCK_N"])
+        token_tiles, row_tiles = ceil_div(n, config["BLOCK_M"]), ceil_div(rows, config["BLOCK_N"])
         pad = [None] * (MAX_WEIGHTS_PER_LAUNCH - g)
         args = (
             x, chunk_out, *chunk_w, *pad, *(chunk_b + pad if chunk_b else [None] * MAX_WEIGHTS_PER_LAUNCH),
-            n, k, rows, token_tiles, row_tiles, triton.cdiv(token_tiles * g * row_tiles, config["PROGRAMS"]), x.stride(0), chunk_w[0].stride(0), chunk_b[0].stride(0) if chunk_b else 0, chunk_out.stride(0),
+            n, k, rows, token_tiles, row_tiles, ceil_div(token_tiles * g * row_tiles, config["PROGRAMS"]), x.stride(0), chunk_w[0].stride(0), chunk_b[0].stride(0) if chunk_b else 0, chunk_out.stride(0),
         )  # fmt: skip
         grid = (config["PROGRAMS"],)
         # The interpreter's tl.dot multiplies bfloat16's raw storage: there, tiles are widened to float32 first.
@@ -277,6 +304,8 @@ def launch(
                 grouped_gemm_tma_kernel_interpreted[grid](*args, **meta)
         elif traceable:
             torch.library.wrap_triton(grouped_gemm_tma_kernel)[grid](*args, **meta)
-        else:
+        elif x.device.index == torch.cuda.current_device():
+            grouped_gemm_tma_kernel[grid](*args, **meta)
+        else:  # Triton launches on the current device
             with torch.cuda.device(x.device):
                 grouped_gemm_tma_kernel[grid](*args, **meta)

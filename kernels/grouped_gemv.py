@@ -52,6 +52,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from .launch_math import ceil_div, next_power_of_2
+
 MAX_WEIGHTS_PER_LAUNCH = 16
 MAX_TOKENS = 128  # above this, one cuBLAS GEMM per weight is faster for a few weights (measured on an H200)
 MAX_TOKENS_MANY_WEIGHTS = 256  # ... and above this even for MANY_WEIGHTS or more (measured on an H200)
@@ -321,6 +323,21 @@ def _interpretable_helpers():
 # --------------------------------------------------------------------------------------------------------
 
 
+def uniform_weights_reason(weights: Sequence[torch.Tensor]) -> str | None:
+    """None when every weight is 2-D with the first one's shape, strides, dtype and device, else why not.
+    One pass over the weights: it runs on every uncaptured call of the op."""
+    w = weights[0]
+    shape, stride, dtype, device = w.shape, w.stride(), w.dtype, w.device
+    for wi in weights:
+        if wi.dim() != 2:
+            return "every weight must be 2-D [R, K]"
+        if wi.shape != shape or wi.stride() != stride:
+            return "weights differ in shape or strides"
+        if wi.dtype != dtype or wi.device != device:
+            return "weights differ in dtype or device"
+    return None
+
+
 def grouped_gemv_unsupported_reason(
     x: torch.Tensor,
     weights: Sequence[torch.Tensor],
@@ -336,12 +353,13 @@ def grouped_gemv_unsupported_reason(
     w = weights[0]
     if x.dim() != 2 or out.dim() != 2:
         return f"x and out must be 2-D (got {x.dim()}-D and {out.dim()}-D)"
-    if any(wi.dim() != 2 for wi in weights):
-        return "every weight must be 2-D [R, K]"
-    if any(wi.shape != w.shape or wi.stride() != w.stride() for wi in weights):
-        return "weights differ in shape or strides"
-    if any(wi.dtype != w.dtype or wi.device != w.device for wi in weights):
-        return "weights differ in dtype or device"
+    gemms = len(weights) if gemms is None else gemms
+    n = x.shape[0]
+    if n > max_tokens(gemms):  # first: the cheapest check, and the one a large call fails
+        return f"N = {n} tokens > {max_tokens(gemms)}, the most the kernel serves in place of {gemms} GEMMs"
+    reason = uniform_weights_reason(weights)
+    if reason is not None:
+        return reason
     if w.dtype not in SUPPORTED_DTYPES:
         return f"dtype {w.dtype} is not one of {SUPPORTED_DTYPES}"
     if x.dtype != w.dtype or out.dtype != w.dtype:
@@ -354,19 +372,15 @@ def grouped_gemv_unsupported_reason(
     elif w.device.type != "cuda":
         return f"device {w.device} is not CUDA"
     rows, k = w.shape
-    n = x.shape[0]
     if rows < 1 or k < 1:
         return f"empty weights ({rows} x {k})"
     if x.shape[1] != k:
         return f"x has {x.shape[1]} features, the weights {k}"
-    gemms = len(weights) if gemms is None else gemms
-    if n > max_tokens(gemms):
-        return f"N = {n} tokens > {max_tokens(gemms)}, the most the kernel serves in place of {gemms} GEMMs"
     if tuple(out.shape) != (n, len(weights) * rows):
         return f"out is {tuple(out.shape)}, expected {(n, len(weights) * rows)}"
     if len(weights) * rows >= 2**31:
         return "too many output columns for int32 column indices"
-    if min(len(weights), MAX_WEIGHTS_PER_LAUNCH) * triton.cdiv(rows, BLOCK_N_CHOICES[-1]) > MAX_GRID_COLUMN_BLOCKS:
+    if min(len(weights), MAX_WEIGHTS_PER_LAUNCH) * ceil_div(rows, BLOCK_N_CHOICES[-1]) > MAX_GRID_COLUMN_BLOCKS:
         return f"too many column blocks for the grid's second axis ({MAX_GRID_COLUMN_BLOCKS})"
     if biases:
         if len(biases) != len(weights):
@@ -462,6 +476,11 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def sm_count(device: torch.device) -> int:
+    """The SM count of a CUDA device (cached: the device's properties cost microseconds per query)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def default_launch_config(
     n: int, rows: int, k: int, n_weights: int, dtype: torch.dtype, device: torch.device
 ) -> dict[str, int]:
@@ -485,19 +504,19 @@ def default_launch_config(
         2048, and splitting 4 weights of 1024 features was slower at every T tried).
       - CPU (the interpreter, tests): BLOCK_N 16, BLOCK_K 32, no split, so that small tests reach every tail.
     """
-    k_cap = max(16, triton.next_power_of_2(k))
-    block_t = max(MIN_BLOCK_T, min(triton.next_power_of_2(max(n, 1)), 64))
+    k_cap = max(16, next_power_of_2(k))
+    block_t = max(MIN_BLOCK_T, min(next_power_of_2(max(n, 1)), 64))
     if device.type != "cuda":
         return {"BLOCK_T": block_t, "BLOCK_N": 16, "BLOCK_K": min(32, k_cap), "num_warps": 4, "SPLIT_K": 1}
-    token_blocks = triton.cdiv(n, block_t)
-    min_programs = MIN_PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else 0)
+    token_blocks = ceil_div(n, block_t)
+    min_programs = MIN_PROGRAMS_PER_SM * sm_count(device)
     block_n = BLOCK_N_CHOICES[-1]
     for candidate in BLOCK_N_CHOICES:
-        if token_blocks * n_weights * triton.cdiv(rows, candidate) >= min_programs:
+        if token_blocks * n_weights * ceil_div(rows, candidate) >= min_programs:
             block_n = candidate
             break
-    element_size = torch.empty((), dtype=dtype).element_size()
-    programs = token_blocks * n_weights * triton.cdiv(rows, block_n)
+    element_size = dtype.itemsize
+    programs = token_blocks * n_weights * ceil_div(rows, block_n)
     long_rows = k * element_size >= SPLIT_MIN_ROW_BYTES
     if programs < min_programs // MIN_PROGRAMS_PER_SM or (n > 16 and programs < min_programs and long_rows):
         block_n, split_k = (32, SPLIT_K_FEW_TOKENS) if n <= 16 else (64, SPLIT_K_MORE_TOKENS)
@@ -522,20 +541,20 @@ def epilogue_launch_config(
     only below half the SMs. From a sweep on an H200 (benchmarks/RESULTS.md): 5 layers' K and V (80 head
     tiles) at T = 1 26.3 us with 2 splits (27.3 unsplit, 27.4 with 4); one layer (16 head tiles) 10.1 us
     with 8 (22.1 unsplit); at 64 tokens 5 layers unsplit (31.4 against 36.5 with 2), one layer 4 splits."""
-    element_size = torch.empty((), dtype=dtype).element_size()
-    block_t = max(MIN_BLOCK_T, min(triton.next_power_of_2(max(n, 1)), 64))
+    element_size = dtype.itemsize
+    block_t = max(MIN_BLOCK_T, min(next_power_of_2(max(n, 1)), 64))
     # at most EPILOGUE_TILE_BYTES of weights per pipeline stage (head_dim 256: half the K step)
     block_k = min(SPLIT_BLOCK_K_BYTES // element_size, EPILOGUE_TILE_BYTES // (head_dim * element_size))
-    block_k = max(16, min(block_k, triton.next_power_of_2(k)))
+    block_k = max(16, min(block_k, next_power_of_2(k)))
     config = {"BLOCK_T": block_t, "BLOCK_N": head_dim, "BLOCK_K": block_k, "num_warps": 4, "SPLIT_K": 1}
     if device.type != "cuda":
         return config
-    programs = triton.cdiv(n, block_t) * n_weights * triton.cdiv(rows, head_dim)
-    sms = _sm_count(device.index if device.index is not None else 0)
+    programs = ceil_div(n, block_t) * n_weights * ceil_div(rows, head_dim)
+    sms = sm_count(device)
     if n <= 16 and programs < sms:
-        config["SPLIT_K"] = min(8, triton.cdiv(sms, programs))
+        config["SPLIT_K"] = min(8, ceil_div(sms, programs))
     elif n > 16 and programs < sms // 2:
-        config["SPLIT_K"] = min(4, triton.cdiv(sms, programs))
+        config["SPLIT_K"] = min(4, ceil_div(sms, programs))
     return config
 
 
@@ -630,9 +649,9 @@ def launch_grouped_gemv(
         w_args = chunk_w + pad
         b_args = chunk_b + pad if chunk_b else [None] * MAX_WEIGHTS_PER_LAUNCH
         # Splits of whole K steps, none empty.
-        k_per_split = triton.cdiv(triton.cdiv(k, config["BLOCK_K"]), config["SPLIT_K"]) * config["BLOCK_K"]
-        config["SPLIT_K"] = triton.cdiv(k, k_per_split)
-        token_blocks, column_programs = triton.cdiv(n, config["BLOCK_T"]), g * triton.cdiv(rows, config["BLOCK_N"])
+        k_per_split = ceil_div(ceil_div(k, config["BLOCK_K"]), config["SPLIT_K"]) * config["BLOCK_K"]
+        config["SPLIT_K"] = ceil_div(k, k_per_split)
+        token_blocks, column_programs = ceil_div(n, config["BLOCK_T"]), g * ceil_div(rows, config["BLOCK_N"])
         grid = (token_blocks * config["SPLIT_K"], column_programs)
         if config["SPLIT_K"] > 1:
             partial = torch.empty((config["SPLIT_K"], n, g * rows), dtype=torch.float32, device=x.device)

@@ -41,8 +41,9 @@ _library.define("grouped_linear(Tensor x, Tensor[] weights, Tensor[] biases) -> 
 SYMBOLIC_TOKENS = "a symbolic token count on CUDA: the op call picks the grouped kernel for each call's count"
 # From this many weights a symbolic token count keeps the op call. Measured on an H200 (dynamic=True, bf16;
 # benchmarks/RESULTS.md): a 5-layer draft (10 weights) CUDA-graphed 38.8 / 48.1 / 96.4 us at 16 / 128 / 512
-# tokens against 92.6 / 99.4 / 115.8 with a GEMM per weight, uncaptured level at 16 and 128 but 1.29x at
-# 512 (the Python launch); one layer (2 weights) graphed 19.2 against 24.8 but uncaptured 1.7x at 16.
+# tokens against 92.6 / 99.4 / 115.8 with a GEMM per weight; uncaptured, against torch.compile, 0.99 / 0.93 /
+# 1.07 / 1.00 at 16 / 128 / 512 / 1024 (1.29x at 512 before the op's host path was trimmed); one layer
+# (2 weights) graphed 19.2 against 24.8 but uncaptured 1.7x at 16.
 MIN_WEIGHTS_FOR_SYMBOLIC_CALL = 6
 
 MIN_BLOCK_ROWS = 64  # row blocks narrower than this would leave the grouped kernel's tiles mostly empty
@@ -53,8 +54,10 @@ def equal_row_blocks(weights: Sequence[torch.Tensor], biases: Sequence[torch.Ten
     copied, the same output columns. The grouped kernel reads weights of one shape (a layer's Q [4096, K]
     beside its K and V [1024, K] are 4 + 1 + 1 blocks of [1024, K])."""
     rows = [w.shape[0] for w in weights]
-    unit = math.gcd(*rows) if rows else 0
-    if len(set(rows)) < 2 or unit < MIN_BLOCK_ROWS:
+    if len(set(rows)) < 2:
+        return list(weights), list(biases)
+    unit = math.gcd(*rows)
+    if unit < MIN_BLOCK_ROWS:
         return list(weights), list(biases)
     blocks = lambda t: [t[i : i + unit] for i in range(0, t.shape[0], unit)]  # noqa: E731
     return [b for w in weights for b in blocks(w)], [b for bias in biases for b in blocks(bias)]
