@@ -506,7 +506,8 @@ def markdown(results: dict, meta: dict, columns: list[str]) -> str:
     lines.append(
         f"{meta['device_name']}; torch {meta['torch']}, triton {meta['triton']}, transformers "
         f"{meta['transformers']}; {meta['dtype']}, batch {meta['batch']}; do_bench(warmup={meta['warmup']}, "
-        f"rep={meta['rep']}, median); CUDA graphs: {meta['graph_method']}"
+        f"rep={meta['rep']}, median; L2 emptied by {'reading' if meta.get('l2_flush') == 'read' else 'zeroing'} "
+        f"256 MB before each call); CUDA graphs: {meta['graph_method']}"
         f"{'; compiled with dynamic=True' if meta.get('dynamic') else ''}."
     )
     c = meta.get("ceilings") or {}
