@@ -44,6 +44,7 @@ from .grouped_gemv import (
     MAX_TOKENS_MANY_WEIGHTS,
     MAX_WEIGHTS_PER_LAUNCH,
     _interpretable_helpers,
+    cuda_device_index,
     sm_count,
     uniform_weights_reason,
 )
@@ -190,13 +191,14 @@ def unsupported_reason(
         return "no weights"
     w = weights[0]
     if x.dim() != 2 or out.dim() != 2:
-        return "x, out and every weight must be 2-D"
+        return "x and out must be 2-D"
     n = x.shape[0]
     lo, hi = token_range(len(weights) if gemms is None else gemms)
     if not lo < n <= hi:
         return f"N = {n} tokens outside ({lo}, {hi}], the kernel's range for these weights"
-    if uniform_weights_reason(weights) is not None:
-        return "weights differ in shape, strides, dtype or device, or are not 2-D"
+    reason = uniform_weights_reason(weights)
+    if reason is not None:
+        return reason
     if w.dtype not in SUPPORTED_DTYPES or x.dtype != w.dtype or out.dtype != w.dtype:
         return f"x, weights and out must share one of {SUPPORTED_DTYPES}"
     if x.device != w.device or out.device != w.device or any(b.device != w.device for b in biases):
@@ -206,7 +208,7 @@ def unsupported_reason(
             return "CPU tensors need TRITON_INTERPRET=1 (Triton interpreter)"
         if _triton_version() < MIN_INTERPRETER_VERSION:
             return f"Triton {triton.__version__}'s interpreter does not run this kernel (3.6's fails; 3.9's runs it)"
-    elif w.device.type != "cuda" or _capability(_device_index(w.device)) < (9, 0):
+    elif w.device.type != "cuda" or _capability(cuda_device_index(w.device)) < (9, 0):
         return "TMA needs a CUDA device of compute capability 9.0 or newer"
     if not hasattr(tl, "make_tensor_descriptor"):
         return "this Triton has no tl.make_tensor_descriptor"
@@ -224,10 +226,6 @@ def unsupported_reason(
         if len({b.stride() for b in biases}) > 1:
             return "biases differ in stride"
     return None
-
-
-def _device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def launch_config(n: int, rows: int, n_weights: int, device: torch.device) -> dict[str, int]:

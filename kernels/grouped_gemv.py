@@ -476,9 +476,14 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def cuda_device_index(device: torch.device) -> int:
+    """The index of a CUDA device ("cuda" without one: the current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def sm_count(device: torch.device) -> int:
     """The SM count of a CUDA device (cached: the device's properties cost microseconds per query)."""
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _sm_count(cuda_device_index(device))
 
 
 def default_launch_config(

@@ -111,6 +111,34 @@ def test_unsupported(name: str, change: dict, expect: str, monkeypatch) -> None:
     assert reason is not None and expect in reason, reason
 
 
+def test_checks_agree_on_real_parameters_and_fake_tensors(monkeypatch) -> None:
+    """Alignment is read from a real tensor's address and from a fake one's storage offset: both must refuse
+    a parameter one element off a 16-byte boundary and admit the aligned one; weights that differ in shape
+    are named as such."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(tma, "MIN_INTERPRETER_VERSION", (0, 0))
+    case = _case("cpu")
+    gen = torch.Generator().manual_seed(0)
+    x = make_x(case, "cpu", gen)
+    weights, _ = make_weights(case, "cpu", gen)
+    out, _ = poisoned_out(case, "cpu")
+    flat = torch.zeros(case.rows * case.k + 1, dtype=case.dtype)
+    shifted = torch.nn.Parameter(flat[1:].view(case.rows, case.k))  # storage offset 1: 2 bytes off
+    aligned = torch.nn.Parameter(weights[0].clone())
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = [mode.from_tensor(t) for t in (x, out, shifted, aligned, *weights)]
+    fx, fout, fshifted, faligned, *fweights = fake
+    for args in ((x, out, shifted, aligned, weights), (fx, fout, fshifted, faligned, fweights)):
+        x_, out_, shifted_, aligned_, weights_ = args
+        assert tma.unsupported_reason(x_, [aligned_, *weights_[1:]], [], out_) is None
+        reason = tma.unsupported_reason(x_, [shifted_, *weights_[1:]], [], out_)
+        assert reason is not None and "not laid out for TMA" in reason, reason
+        reason = tma.unsupported_reason(x_, [*weights_[:-1], weights_[-1][:-8]], [], out_)
+        assert reason is not None and "differ in shape" in reason, reason
+
+
 def test_cpu_needs_the_interpreter(monkeypatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     case = _case("cpu")
