@@ -62,15 +62,11 @@ def _grouped_gemm_tma_kernel(
     out_ptr,
     w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15,
     b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14, b15,
-    partial_ptr,
-    arrivals_ptr,
     N,
     K,
     R,
     token_tiles,
     row_tiles,
-    whole_tiles,
-    k_per_split,
     steps,
     stride_xn,
     stride_wr,
@@ -82,31 +78,20 @@ def _grouped_gemm_tma_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr,
     PROGRAMS: tl.constexpr,
     DOT_IN_FLOAT32: tl.constexpr,
 ):  # fmt: skip
-    """One program: the work items program_id, program_id + PROGRAMS, ... Items below whole_tiles are whole
-    tiles [BLOCK_M, BLOCK_N] of one weight (token blocks in groups of GROUP_M, column tiles weight by weight);
-    the tiles after them (the last, partial wave) are split along K into SPLIT_K items of k_per_split
-    features each, whose float32 partial tiles go to partial [tiles - whole_tiles, SPLIT_K, BLOCK_M, BLOCK_N];
-    the last split of a tile to arrive (an int32 counter per split tile in arrivals, zeroed by the caller)
-    sums them in split order and writes the tile. Computed on the host: token_tiles = cdiv(N, BLOCK_M),
-    row_tiles = cdiv(R, BLOCK_N), steps = cdiv(items, PROGRAMS)."""
+    """One program: the tiles program_id, program_id + PROGRAMS, ... of out, each [BLOCK_M, BLOCK_N] of one
+    weight (token blocks in groups of GROUP_M, column tiles weight by weight). Computed on the host:
+    token_tiles = cdiv(N, BLOCK_M), row_tiles = cdiv(R, BLOCK_N), steps = cdiv(all tiles, PROGRAMS)."""
     column_tiles = NUM_WEIGHTS * row_tiles
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[N, K], strides=[stride_xn, 1], block_shape=[BLOCK_M, BLOCK_K])
     ws = (w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15)
     bs = (b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14, b15)
     tiles = token_tiles * column_tiles
-    items = whole_tiles + (tiles - whole_tiles) * SPLIT_K
-    for step in range(0, steps):  # steps = cdiv(items, PROGRAMS); a plain count: the interpreter's too
-        item = tl.program_id(0) + step * PROGRAMS
-        if item < items:
-            split_tile = item - whole_tiles  # this item's place among the split tiles' items, if >= 0
-            tile = tl.where(split_tile < 0, item, whole_tiles + split_tile // SPLIT_K)
-            split = tl.where(split_tile < 0, 0, split_tile % SPLIT_K)
-            k_start = split * k_per_split
-            k_end = tl.where(split_tile < 0, K, tl.minimum(k_start + k_per_split, K))
+    for step in range(0, steps):  # steps = cdiv(tiles, PROGRAMS); a plain count: the interpreter's too
+        tile = tl.program_id(0) + step * PROGRAMS
+        if tile < tiles:
             per_group = GROUP_M * column_tiles
             first_m = (tile // per_group) * GROUP_M
             group_m = tl.minimum(token_tiles - first_m, GROUP_M)
@@ -127,32 +112,18 @@ def _grouped_gemm_tma_kernel(
                 out_ptr + idx * R, shape=[N, R], strides=[stride_on, 1], block_shape=[BLOCK_M, BLOCK_N]
             )
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k in range(k_start, k_end, BLOCK_K):
+            for k in range(0, K, BLOCK_K):
                 a = x_desc.load([pid_m * BLOCK_M, k])
                 w = w_desc.load([row_start, k])
                 if DOT_IN_FLOAT32:  # exact products of 16-bit values, float32 sums: the same math
                     acc = tl.dot(a.to(tl.float32), w.T.to(tl.float32), acc, input_precision="ieee")
                 else:
                     acc = tl.dot(a, w.T, acc)
-            last = split_tile < 0
-            if SPLIT_K > 1:
-                if split_tile >= 0:
-                    tile_cells = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-                    partials = partial_ptr + (tile - whole_tiles).to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
-                    tl.store(partials + split * (BLOCK_M * BLOCK_N) + tile_cells, acc)
-                    tl.debug_barrier()  # every thread's partial stored before the counter says so
-                    arrived = tl.atomic_add(arrivals_ptr + (tile - whole_tiles), 1, sem="acq_rel")
-                    last = arrived == SPLIT_K - 1
-                    if last:  # other SMs wrote them: read from L2 (.cg), in split order
-                        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                        for s in tl.static_range(SPLIT_K):
-                            acc += tl.load(partials + s * (BLOCK_M * BLOCK_N) + tile_cells, cache_modifier=".cg")
-            if last:
-                if HAS_BIAS:
-                    rows = row_start + tl.arange(0, BLOCK_N)
-                    bias = tl.load(b_ptr + rows.to(tl.int64) * stride_b, mask=rows < R, other=0.0)
-                    acc += bias.to(tl.float32)[None, :]
-                out_desc.store([pid_m * BLOCK_M, row_start], acc.to(out_desc.dtype))
+            if HAS_BIAS:
+                rows = row_start + tl.arange(0, BLOCK_N)
+                bias = tl.load(b_ptr + rows.to(tl.int64) * stride_b, mask=rows < R, other=0.0)
+                acc += bias.to(tl.float32)[None, :]
+            out_desc.store([pid_m * BLOCK_M, row_start], acc.to(out_desc.dtype))
 
 
 grouped_gemm_tma_kernel = triton.jit(_grouped_gemm_tma_kernel)
@@ -258,40 +229,22 @@ def unsupported_reason(
 
 
 def launch_config(n: int, rows: int, n_weights: int, device: torch.device) -> dict[str, int]:
-    """Tiles of 128 tokens x 128 or 256 rows, K step 64, 8 warps, at most one program per SM (PROGRAMS, an
-    upper bound: `launch` takes no more programs than work items). Of the two tile widths the one with
-    fewer waves of tiles (a 256-wide tile counting as two 128-wide ones): 10 weights at 384 / 768 / 1536
-    tokens 128 x 256 with 3 stages (49.7 / 91.8 / 181.6 us), at 512 / 1024 128 x 128 with 4-5 stages
-    (83.2 / 128.8 us; the other width 93.9 / 139.3). SPLIT_K: how many ways the last, partial wave's tiles
-    are split along K (`split_plan`). CPU: small tiles, so that small tests reach every tail."""
+    """Tiles of 128 tokens x 128 or 256 rows, K step 64, 8 warps, over at most one program per SM. Of the
+    two tile widths the one with fewer waves of tiles (a 256-wide tile counting as two 128-wide ones):
+    10 weights at 384 / 768 / 1536 tokens 128 x 256 with 3 stages (49.7 / 91.8 / 181.6 us), at 512 / 1024
+    128 x 128 with 4-5 stages (83.2 / 128.8 us; the other width 93.9 / 139.3). CPU: small tiles, so that
+    small tests reach every tail."""
     if device.type != "cuda":
-        return {
-            "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 2, "PROGRAMS": 3,
-            "SPLIT_K": 1,
-        }  # fmt: skip
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 2, "PROGRAMS": 3}
     sms = sm_count(device)
     token_tiles = ceil_div(n, 128)
     waves = lambda width: ceil_div(token_tiles * n_weights * ceil_div(rows, width), sms)  # noqa: E731
     block_n, stages = (128, 5) if waves(128) < 2 * waves(256) else (256, 3)
+    tiles = token_tiles * n_weights * ceil_div(rows, block_n)
     return {
         "BLOCK_M": 128, "BLOCK_N": block_n, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": stages,
-        "PROGRAMS": sms, "SPLIT_K": 1,
+        "PROGRAMS": min(tiles, sms),
     }  # fmt: skip
-
-
-def split_plan(tiles: int, programs: int, k: int, block_k: int, split_k: int) -> tuple[int, int, int]:
-    """(whole_tiles, split_k, k_per_split): the tiles past the last whole wave of `programs` split `split_k`
-    ways along K, in K steps of block_k (no split empty), when their splits then fit in one wave; else none
-    split (whole_tiles = tiles, split_k = 1, k_per_split = k)."""
-    remainder = tiles % programs
-    k_steps = ceil_div(k, block_k)
-    if split_k < 2 or k_steps < 2 or remainder == 0:
-        return tiles, 1, k
-    k_per_split = ceil_div(k_steps, split_k) * block_k
-    split_k = ceil_div(k, k_per_split)
-    if remainder * split_k > programs:
-        return tiles, 1, k
-    return tiles - remainder, split_k, k_per_split
 
 
 def ensure_allocator() -> None:
@@ -336,23 +289,10 @@ def launch(
         config = launch_config(n, rows, g, x.device)
         config.update(overrides)
         token_tiles, row_tiles = ceil_div(n, config["BLOCK_M"]), ceil_div(rows, config["BLOCK_N"])
-        tiles = token_tiles * g * row_tiles
-        whole_tiles, split_k, k_per_split = split_plan(tiles, config["PROGRAMS"], k, config["BLOCK_K"], config["SPLIT_K"])
-        items = whole_tiles + (tiles - whole_tiles) * split_k
-        config.update(SPLIT_K=split_k, PROGRAMS=min(items, config["PROGRAMS"]))
-        partial = arrivals = None  # not read unless tiles are split
-        if split_k > 1:
-            split_tiles = tiles - whole_tiles
-            partial = torch.empty(
-                (split_tiles, split_k, config["BLOCK_M"], config["BLOCK_N"]), dtype=torch.float32, device=x.device
-            )
-            arrivals = torch.zeros(split_tiles, dtype=torch.int32, device=x.device)
         pad = [None] * (MAX_WEIGHTS_PER_LAUNCH - g)
         args = (
             x, chunk_out, *chunk_w, *pad, *(chunk_b + pad if chunk_b else [None] * MAX_WEIGHTS_PER_LAUNCH),
-            partial, arrivals, n, k, rows, token_tiles, row_tiles, whole_tiles, k_per_split,
-            ceil_div(items, config["PROGRAMS"]), x.stride(0), chunk_w[0].stride(0), chunk_b[0].stride(0) if chunk_b else 0,
-            chunk_out.stride(0),
+            n, k, rows, token_tiles, row_tiles, ceil_div(token_tiles * g * row_tiles, config["PROGRAMS"]), x.stride(0), chunk_w[0].stride(0), chunk_b[0].stride(0) if chunk_b else 0, chunk_out.stride(0),
         )  # fmt: skip
         grid = (config["PROGRAMS"],)
         # The interpreter's tl.dot multiplies bfloat16's raw storage: there, tiles are widened to float32 first.

@@ -106,10 +106,9 @@ GEMV_CASES = {
 }
 
 
-def tma_grouped_gemm(n: int, rows: int, hidden: int, n_weights: int, bias: bool, **overrides: int) -> None:
+def tma_grouped_gemm(n: int, rows: int, hidden: int, n_weights: int, bias: bool) -> None:
     """The TMA grouped GEMM with token, row and K tails (no multiple of any tile), row blocks of one
-    parameter, into an aligned column slice of a poisoned buffer (8 columns in, 16 bytes); `overrides`
-    go to the launch (the last wave's tiles split along K)."""
+    parameter, into an aligned column slice of a poisoned buffer (8 columns in, 16 bytes)."""
     torch.manual_seed(n + rows)
     param = torch.randn(n_weights * rows, hidden, device="cuda", dtype=torch.bfloat16)
     weights = list(param.split(rows))
@@ -118,7 +117,7 @@ def tma_grouped_gemm(n: int, rows: int, hidden: int, n_weights: int, bias: bool,
     buffer = torch.full((n, n_weights * rows + 24), float("nan"), device="cuda", dtype=torch.bfloat16)
     out = buffer[:, 8 : 8 + n_weights * rows]
     assert grouped_gemm_tma.unsupported_reason(x, weights, biases, out) is None
-    grouped_gemm_tma.launch(x, weights, biases, out, **overrides)
+    grouped_gemm_tma.launch(x, weights, biases, out)
     expected = grouped_linear_reference(x, weights, biases)
     torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2 * hidden**0.5)
     assert buffer[:, :8].isnan().all() and buffer[:, 8 + out.shape[1] :].isnan().all(), "wrote outside out"
@@ -128,12 +127,6 @@ TMA_CASES = {
     "tma-333-tokens-6-weights-bias": dict(n=333, rows=328, hidden=1096, n_weights=6, bias=True),
     "tma-300-tokens-18-weights": dict(n=300, rows=136, hidden=520, n_weights=18, bias=False),
     "tma-1000-tokens-2-weights": dict(n=1000, rows=1024, hidden=4096, n_weights=2, bias=False),
-    # 54 tiles of 128 x 128, every one split in two along K
-    "tma-333-tokens-6-weights-bias-split-2": dict(n=333, rows=328, hidden=1096, n_weights=6, bias=True, SPLIT_K=2),
-    # 150 tiles: one whole wave, the other 18 split 4 ways (the last split a K tail)
-    "tma-520-tokens-10-weights-split-4": dict(
-        n=520, rows=328, hidden=1096, n_weights=10, bias=True, BLOCK_N=128, num_stages=5, SPLIT_K=4
-    ),
 }
 
 

@@ -41,13 +41,13 @@ def _case(device: str, **fields) -> Case:
     return Case(**defaults)
 
 
-def run_case(case: Case, device: str, seed: int = 0, **overrides: int) -> None:
+def run_case(case: Case, device: str, seed: int = 0) -> None:
     gen = torch.Generator().manual_seed(seed)
     x = make_x(case, device, gen)
     weights, biases = make_weights(case, device, gen)
     out, _ = poisoned_out(case, device)
     assert tma.unsupported_reason(x, weights, biases, out) is None
-    tma.launch(x, weights, biases, out, **overrides)
+    tma.launch(x, weights, biases, out)
     assert_matches_reference(out, x, weights, biases)
 
 
@@ -78,29 +78,6 @@ def test_more_than_one_launch_and_few_weights(device: str) -> None:
     """18 weights: two launches, the second into a column slice of out; 2 weights past 640 tokens."""
     run_case(_case(device, n_weights=18, n=260 if device == "cpu" else 300), device, seed=3)
     run_case(_case(device, n_weights=2, n=650, rows=24 if device == "cpu" else 328), device, seed=4)
-
-
-def test_split_plan() -> None:
-    """The tiles past the last whole wave split along K when their splits fit in one wave; no split empty."""
-    assert tma.split_plan(160, 132, 4096, 64, 4) == (132, 4, 1024)  # 28 tiles x 4 = 112 items
-    assert tma.split_plan(320, 132, 4096, 64, 2) == (264, 2, 2048)
-    assert tma.split_plan(320, 132, 4096, 64, 4) == (320, 1, 4096)  # 56 x 4 > 132: no split
-    assert tma.split_plan(264, 132, 4096, 64, 2) == (264, 1, 4096)  # whole waves only
-    assert tma.split_plan(54, 132, 4096, 64, 2) == (0, 2, 2048)  # one partial wave: every tile split
-    assert tma.split_plan(342, 10, 72, 16, 3) == (340, 3, 32)  # 5 K steps: splits of 2, 2 and 1 (a K tail)
-    assert tma.split_plan(342, 10, 72, 16, 4) == (340, 3, 32)  # 4 ways would leave one empty: 3
-    assert tma.split_plan(160, 132, 48, 64, 4) == (160, 1, 48)  # one K step: nothing to split
-
-
-@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
-def test_split_tiles_match_reference(bias: bool, device: str) -> None:
-    """The last wave's tiles split along K (partials summed by the last split to arrive, bias added once)."""
-    if device == "cpu":  # 342 tiles of 16 x 16 over 10 programs: 2 tiles split 3 ways, the last split a K tail
-        case, overrides = _case(device, bias=bias), dict(PROGRAMS=10, SPLIT_K=3)
-        assert tma.split_plan(342, 10, case.k, 16, 3) == (340, 3, 32)
-    else:  # 54 tiles of 128 x 128 on the SMs: every tile split in two
-        case, overrides = _case(device, bias=bias), dict(SPLIT_K=2)
-    run_case(case, device, seed=5, **overrides)
 
 
 def test_token_range() -> None:
