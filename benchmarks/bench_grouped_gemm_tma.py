@@ -18,6 +18,7 @@ import json
 import torch
 from triton.testing import do_bench
 
+from fx_fusion import cuda_graphs
 from fx_fusion.kernels import grouped_gemm_tma as tma
 from fx_fusion.kernels.grouped_gemv import grouped_linear_reference
 
@@ -26,17 +27,8 @@ DEFAULT_VARIANTS = "128:4,128:5,256:3"  # 256 x 4 stages needs more shared memor
 
 def graphed_per_call_us(fn, copies: int) -> float:
     """Median replay time of a CUDA graph of `copies` calls of fn, divided by copies."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(copies):
-            fn()
-    return do_bench(graph.replay, warmup=25, rep=200) * 1e3 / copies
+    replay = cuda_graphs.capture(lambda: [fn() for _ in range(copies)])
+    return do_bench(replay, warmup=25, rep=200) * 1e3 / copies
 
 
 def main(argv=None) -> int:
