@@ -114,14 +114,14 @@ class Timer:
         self.l2_flush = l2_flush
         self._flush_buffer = None
 
-    def __call__(self, fn: Callable[[], Any], return_mode: str = "median") -> float:
-        """Median (or return_mode's) microseconds per call."""
+    def __call__(self, fn: Callable[[], Any]) -> float:
+        """Median microseconds per call."""
         if self.device.type == "cuda" and self.l2_flush == "zero":
             from triton.testing import do_bench
 
-            return float(do_bench(fn, warmup=self.warmup, rep=self.rep, return_mode=return_mode)) * 1e3
+            return float(do_bench(fn, warmup=self.warmup, rep=self.rep, return_mode="median")) * 1e3
         if self.device.type == "cuda":
-            return self._read_flushed(fn, return_mode)
+            return self._read_flushed(fn)
         # CPU fallback (smoke runs only): median of wall-clock calls within ~rep ms.
         for _ in range(2):
             fn()
@@ -134,7 +134,7 @@ class Timer:
         times.sort()
         return times[len(times) // 2] * 1e6
 
-    def _read_flushed(self, fn: Callable[[], Any], return_mode: str) -> float:
+    def _read_flushed(self, fn: Callable[[], Any]) -> float:
         """do_bench's loop (calls for about `rep` ms, each between two events) with a reading flush."""
         if self._flush_buffer is None:
             self._flush_buffer = torch.ones(self.FLUSH_BYTES // 4, dtype=torch.float32, device=self.device)
@@ -165,10 +165,6 @@ class Timer:
             ends[i].record()
         torch.cuda.synchronize()
         times = sorted(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
-        if return_mode == "min":
-            return times[0]
-        if return_mode == "mean":
-            return sum(times) / len(times)
         return times[len(times) // 2]
 
 

@@ -147,6 +147,9 @@ def _triton_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)  # real data, read by address
+
+
 def _aligned(t: torch.Tensor) -> bool:
     """Whether t's first element sits on a TMA_ALIGNMENT boundary. Tensors without data (fake, functional or
     meta tensors while tracing): by their storage offset, storages being allocated aligned."""
@@ -161,9 +164,6 @@ def _aligned(t: torch.Tensor) -> bool:
         return t.data_ptr() % TMA_ALIGNMENT == 0
     except (RuntimeError, NotImplementedError):  # no data to point at (a functional wrapper)
         return True
-
-
-_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def _tma_rows(t: torch.Tensor) -> bool:
