@@ -35,7 +35,7 @@ K head is also normalised (per-layer [128] weights) and rotated (per-token cos/s
     separate     the grouped kernel, then the materialization kernel over its K heads (two launches; each
                  reads the per-layer norm weights where they are)
     concat       the pre-concatenated cuBLAS GEMM, then the materialization kernel
-    cfg[...]     the epilogue launch with overrides (BLOCK_N divides the head dim: 0 or 128 = head-wide tiles)
+    cfg[...]     the epilogue launch with overrides (BLOCK_N is always the head dim)
 
 and k_out is checked against `concat`'s too.
 

@@ -101,7 +101,6 @@ def _grouped_gemv_kernel(
     k_head_stride,
     k_blocks,
     k_heads,
-    head_counter_base,
     stride_kob,
     stride_kot,
     stride_koh,
@@ -133,7 +132,6 @@ def _grouped_gemv_kernel(
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     K_EPILOGUE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
     ROTARY_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     HAS_NORM: tl.constexpr,
@@ -156,10 +154,8 @@ def _grouped_gemv_kernel(
     the last split to arrive sums the partials in split order (the same sum whatever the arrival order)
     and writes the tile.
     EVEN_K: K is a multiple of BLOCK_K (so every split is too): the K loop loads without a K mask.
-    K_EPILOGUE (BLOCK_N divides HEAD_DIM): once a K head is in out, it goes through the K norm and RoPE into
-    k_out (`KEpilogue`), read back from out. A head of one tile (BLOCK_N = HEAD_DIM) is its program's; a head
-    of several tiles is the last of their programs to store its tile, counted in
-    arrivals[head_counter_base + (token block * k_blocks + block) * k_heads + head] (zero before the launch).
+    K_EPILOGUE (BLOCK_N = head_dim): a tile that is one K head also goes through the K norm and RoPE into
+    k_out (`KEpilogue`); the partner element of each dim is re-read from the tile just stored.
     """
     pid_tok = tl.program_id(0) // SPLIT_K  # token blocks (then splits) vary fastest: programs running
     split = tl.program_id(0) % SPLIT_K  # together share a weight tile
@@ -229,82 +225,72 @@ def _grouped_gemv_kernel(
         out_ptrs = out_ptr + tokens.to(tl.int64)[:, None] * stride_on + cols[None, :] * stride_oc
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
         if K_EPILOGUE:
-            # Which K head holds this tile, if any: its first column is
-            # k_column + block * k_block_stride + head * k_head_stride + offset, offset < HEAD_DIM.
+            # Which K head this tile is, if any: column = k_column + block * k_block_stride + head * k_head_stride.
             rel = idx * R + row_start - k_column
             block = tl.maximum(rel, 0) // k_block_stride
             head = (rel - block * k_block_stride) // k_head_stride
-            offset = rel - block * k_block_stride - head * k_head_stride
-            if (rel >= 0) & (block < k_blocks) & (head < k_heads) & (offset < HEAD_DIM):
-                tl.debug_barrier()  # the raw tile stored by every thread before the head is read back
-                head_stored = True
-                if HEAD_DIM > BLOCK_N:  # the head's other tiles are other programs': the last to store goes on
-                    counter = head_counter_base + (pid_tok * k_blocks + block) * k_heads + head
-                    stored = tl.atomic_add(arrivals_ptr + counter, 1, sem="acq_rel")
-                    head_stored = stored == HEAD_DIM // BLOCK_N - 1
-                if head_stored:  # the whole head, read back from out (L2: other programs may have stored it)
-                    dims = tl.arange(0, HEAD_DIM)
-                    rotary = dims < ROTARY_DIM
-                    if INTERLEAVED:  # pairs (2j, 2j+1), frequency j
-                        partner = dims ^ 1
-                        first = dims % 2 == 0
-                        freq = dims // 2
-                    else:  # rotate half: pairs (j, j + r/2), frequency j
-                        first = dims < ROTARY_DIM // 2
-                        partner = tl.where(first, dims + ROTARY_DIM // 2, dims - ROTARY_DIM // 2)
-                        freq = tl.where(first, dims, dims - ROTARY_DIM // 2)
-                    partner = tl.where(rotary, partner, dims)
-                    kv_dtype = out_ptr.dtype.element_ty
-                    head_cols = (idx * R + row_start - offset).to(tl.int64)
-                    head_mask = tok_mask[:, None] & (dims < HEAD_DIM)[None, :]
-                    token_ptrs = out_ptr + tokens.to(tl.int64)[:, None] * stride_on
-                    x = tl.load(token_ptrs + (head_cols + dims)[None, :] * stride_oc, mask=head_mask, other=0.0,
-                                cache_modifier=".cg").to(tl.float32)  # fmt: skip
-                    x_partner = tl.load(token_ptrs + (head_cols + partner)[None, :] * stride_oc, mask=head_mask,
-                                        other=0.0, cache_modifier=".cg").to(tl.float32)  # fmt: skip
-                    if HAS_NORM:
-                        if HAS_EPS_TENSOR:
-                            eps = tl.load(eps_ptr + block * stride_eps).to(tl.float32)
-                        else:
-                            eps = eps_value
-                        inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
-                        if NUM_NORM_WEIGHTS == 1:  # one [blocks, head_dim] table
-                            norm_ptr = n0 + block.to(tl.int64) * stride_nb
-                        else:  # one [head_dim] weight per block
-                            norm_ptr = n0
-                            norms = (n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11, n12, n13, n14, n15)
-                            for i in tl.static_range(1, NUM_NORM_WEIGHTS):
-                                norm_ptr = tl.where(block == i, norms[i], norm_ptr)
-                        w = tl.load(norm_ptr + dims * stride_nd).to(tl.float32) + NORM_WEIGHT_OFFSET
-                        w_partner = tl.load(norm_ptr + partner * stride_nd).to(tl.float32) + NORM_WEIGHT_OFFSET
-                        # round(round(x * inv_rms) * w), or once (NORM_WEIGHT_IN_FLOAT32), or not before RoPE.
-                        normed_dtype = tl.float32 if NORM_WEIGHT_IN_FLOAT32 else kv_dtype
-                        weighted_dtype = kv_dtype if NORM_ROUND_BEFORE_ROPE else tl.float32
-                        x = (x * inv_rms).to(normed_dtype).to(tl.float32) * w[None, :]
-                        x = x.to(weighted_dtype).to(tl.float32)
-                        x_partner = (x_partner * inv_rms).to(normed_dtype).to(tl.float32) * w_partner[None, :]
-                        x_partner = x_partner.to(weighted_dtype).to(tl.float32)
-                    rot_mask = tok_mask[:, None] & rotary[None, :]
-                    if USE_POSITIONS:  # a cos/sin cache row per token: cos of frequency j at j, its sin at r/2 + j
-                        positions = tl.load(positions_ptr + tokens.to(tl.int64) * stride_positions, mask=tok_mask, other=0)
-                        positions = tl.minimum(tl.maximum(positions.to(tl.int64), 0), cache_rows - 1)
-                        cos_ptrs = cos_ptr + positions[:, None] * stride_cos_row + freq[None, :] * stride_cos_dim
-                        sin_ptrs = cos_ptrs + (ROTARY_DIM // 2) * stride_cos_dim
-                    else:  # per-token tables (one per block, or shared: block stride 0)
-                        token_rows = tokens.to(tl.int64)[:, None]
-                        cos_ptrs = cos_ptr + block.to(tl.int64) * stride_cos_block + token_rows * stride_cos_row
-                        cos_ptrs += dims[None, :] * stride_cos_dim
-                        sin_ptrs = sin_ptr + block.to(tl.int64) * stride_sin_block + token_rows * stride_sin_row
-                        sin_ptrs += dims[None, :] * stride_sin_dim
-                    cos = tl.load(cos_ptrs, mask=rot_mask, other=1.0).to(tl.float32)
-                    sin = tl.load(sin_ptrs, mask=rot_mask, other=0.0).to(tl.float32)
-                    signed_partner = tl.where(first, -x_partner, x_partner)
-                    k = tl.where(rotary[None, :], x * cos + signed_partner * sin, x)
-                    k_ptrs = (
-                        k_out_ptr + block.to(tl.int64) * stride_kob + tokens.to(tl.int64)[:, None] * stride_kot
-                        + head.to(tl.int64) * stride_koh + dims[None, :] * stride_kod
-                    )
-                    tl.store(k_ptrs, k.to(k_out_ptr.dtype.element_ty), mask=head_mask)
+            is_head = (rel >= 0) & (block < k_blocks) & (head < k_heads)
+            if is_head & (rel == block * k_block_stride + head * k_head_stride):
+                tl.debug_barrier()  # the raw tile stored by every thread before partners are re-read
+                dims = tl.arange(0, BLOCK_N)
+                rotary = dims < ROTARY_DIM
+                if INTERLEAVED:  # pairs (2j, 2j+1), frequency j
+                    partner = dims ^ 1
+                    first = dims % 2 == 0
+                    freq = dims // 2
+                else:  # rotate half: pairs (j, j + r/2), frequency j
+                    first = dims < ROTARY_DIM // 2
+                    partner = tl.where(first, dims + ROTARY_DIM // 2, dims - ROTARY_DIM // 2)
+                    freq = tl.where(first, dims, dims - ROTARY_DIM // 2)
+                partner = tl.where(rotary, partner, dims)
+                kv_dtype = out_ptr.dtype.element_ty
+                x = acc.to(kv_dtype).to(tl.float32)  # the projection as the graph would read it back
+                partner_cols = (idx * R + row_start).to(tl.int64) + partner
+                partner_ptrs = out_ptr + tokens.to(tl.int64)[:, None] * stride_on + partner_cols[None, :] * stride_oc
+                x_partner = tl.load(partner_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
+                if HAS_NORM:
+                    if HAS_EPS_TENSOR:
+                        eps = tl.load(eps_ptr + block * stride_eps).to(tl.float32)
+                    else:
+                        eps = eps_value
+                    inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / BLOCK_N + eps)[:, None]
+                    if NUM_NORM_WEIGHTS == 1:  # one [blocks, head_dim] table
+                        norm_ptr = n0 + block.to(tl.int64) * stride_nb
+                    else:  # one [head_dim] weight per block
+                        norm_ptr = n0
+                        norms = (n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11, n12, n13, n14, n15)
+                        for i in tl.static_range(1, NUM_NORM_WEIGHTS):
+                            norm_ptr = tl.where(block == i, norms[i], norm_ptr)
+                    w = tl.load(norm_ptr + dims * stride_nd).to(tl.float32) + NORM_WEIGHT_OFFSET
+                    w_partner = tl.load(norm_ptr + partner * stride_nd).to(tl.float32) + NORM_WEIGHT_OFFSET
+                    # round(round(x * inv_rms) * w), or once (NORM_WEIGHT_IN_FLOAT32), or not before RoPE.
+                    normed_dtype = tl.float32 if NORM_WEIGHT_IN_FLOAT32 else kv_dtype
+                    weighted_dtype = kv_dtype if NORM_ROUND_BEFORE_ROPE else tl.float32
+                    x = ((x * inv_rms).to(normed_dtype).to(tl.float32) * w[None, :]).to(weighted_dtype).to(tl.float32)
+                    x_partner = (x_partner * inv_rms).to(normed_dtype).to(tl.float32) * w_partner[None, :]
+                    x_partner = x_partner.to(weighted_dtype).to(tl.float32)
+                rot_mask = tok_mask[:, None] & rotary[None, :]
+                if USE_POSITIONS:  # a cos/sin cache row per token: cos of frequency j at j, its sin at r/2 + j
+                    positions = tl.load(positions_ptr + tokens.to(tl.int64) * stride_positions, mask=tok_mask, other=0)
+                    positions = tl.minimum(tl.maximum(positions.to(tl.int64), 0), cache_rows - 1)
+                    cos_ptrs = cos_ptr + positions[:, None] * stride_cos_row + freq[None, :] * stride_cos_dim
+                    sin_ptrs = cos_ptrs + (ROTARY_DIM // 2) * stride_cos_dim
+                else:  # per-token tables (one per block, or shared: block stride 0)
+                    token_rows = tokens.to(tl.int64)[:, None]
+                    cos_ptrs = cos_ptr + block.to(tl.int64) * stride_cos_block + token_rows * stride_cos_row
+                    cos_ptrs += dims[None, :] * stride_cos_dim
+                    sin_ptrs = sin_ptr + block.to(tl.int64) * stride_sin_block + token_rows * stride_sin_row
+                    sin_ptrs += dims[None, :] * stride_sin_dim
+                cos = tl.load(cos_ptrs, mask=rot_mask, other=1.0).to(tl.float32)
+                sin = tl.load(sin_ptrs, mask=rot_mask, other=0.0).to(tl.float32)
+                signed_partner = tl.where(first, -x_partner, x_partner)
+                k = tl.where(rotary[None, :], x * cos + signed_partner * sin, x)
+                k_ptrs = (
+                    k_out_ptr + block.to(tl.int64) * stride_kob + tokens.to(tl.int64)[:, None] * stride_kot
+                    + head.to(tl.int64) * stride_koh + dims[None, :] * stride_kod
+                )
+                tl.store(k_ptrs, k.to(k_out_ptr.dtype.element_ty), mask=tile_mask)
+
 
 # One kernel source, two front ends: compiled for CUDA tensors, interpreted (numpy) for CPU tensors.
 # `triton.jit` only looks at TRITON_INTERPRET when it runs (at import), so the interpreted twin is built here.
@@ -577,16 +563,15 @@ def epilogue_launch_config(
     return config
 
 
-def _epilogue_arguments(epilogue: KEpilogue | None, column_shift: int, head_counter_base: int) -> tuple[tuple, dict]:
+def _epilogue_arguments(epilogue: KEpilogue | None, column_shift: int) -> tuple[tuple, dict]:
     """The kernel's K-epilogue arguments and constexprs, with the K columns shifted by `column_shift` (a
-    later launch's first column) and the heads' arrival counters from `head_counter_base` on. Without an
-    epilogue: no pointers (None) and no K heads."""
+    later launch's first column). Without an epilogue: no pointers (None) and no K heads."""
     if epilogue is None:
         zeros4 = (0, 0, 0, 0)
-        args = (None, 0, 1, 1, 0, 0, 0, *zeros4, *(None,) * MAX_WEIGHTS_PER_LAUNCH, 0, 0, None, 0, 0.0)
+        args = (None, 0, 1, 1, 0, 0, *zeros4, *(None,) * MAX_WEIGHTS_PER_LAUNCH, 0, 0, None, 0, 0.0)
         args += (None, None, None, 0, *(0,) * 7)
         return args, dict(
-            K_EPILOGUE=False, HEAD_DIM=16, ROTARY_DIM=2, INTERLEAVED=False, HAS_NORM=False, NUM_NORM_WEIGHTS=1,
+            K_EPILOGUE=False, ROTARY_DIM=2, INTERLEAVED=False, HAS_NORM=False, NUM_NORM_WEIGHTS=1,
             HAS_EPS_TENSOR=False, USE_POSITIONS=False, NORM_WEIGHT_OFFSET=0.0, NORM_WEIGHT_IN_FLOAT32=False,
             NORM_ROUND_BEFORE_ROPE=True,
         )  # fmt: skip
@@ -597,8 +582,7 @@ def _epilogue_arguments(epilogue: KEpilogue | None, column_shift: int, head_coun
     positions = e.positions is not None
     per_token_strides = lambda t: (0, *t.stride()) if t.dim() == 2 else t.stride()  # noqa: E731
     args = (
-        e.k_out, e.column - column_shift, e.block_stride, e.head_stride, n_blocks, heads, head_counter_base,
-        *e.k_out.stride(),
+        e.k_out, e.column - column_shift, e.block_stride, e.head_stride, n_blocks, heads, *e.k_out.stride(),
         *norms, *[None] * (MAX_WEIGHTS_PER_LAUNCH - len(norms)),
         *(norms[0].stride() if table else (0, norms[0].stride(0)) if norms else (0, 0)),
         e.eps, e.eps.stride(0) if e.eps is not None else 0, float(e.eps_value),
@@ -609,7 +593,7 @@ def _epilogue_arguments(epilogue: KEpilogue | None, column_shift: int, head_coun
         e.positions.stride(0) if positions else 0,
     )  # fmt: skip
     return args, dict(
-        K_EPILOGUE=True, HEAD_DIM=e.k_out.shape[-1], ROTARY_DIM=e.rotary_dim, INTERLEAVED=e.interleaved, HAS_NORM=bool(e.norm_weights),
+        K_EPILOGUE=True, ROTARY_DIM=e.rotary_dim, INTERLEAVED=e.interleaved, HAS_NORM=bool(e.norm_weights),
         NUM_NORM_WEIGHTS=1 if table else max(1, len(norms)), HAS_EPS_TENSOR=e.eps is not None, USE_POSITIONS=positions,
         NORM_WEIGHT_OFFSET=float(e.norm_weight_offset), NORM_WEIGHT_IN_FLOAT32=e.norm_weight_in_float32,
         NORM_ROUND_BEFORE_ROPE=e.norm_round_before_rope,
@@ -634,7 +618,7 @@ def launch_grouped_gemv(
 ) -> None:
     """out[:, i*R:(i+1)*R] = x @ weights[i].T (+ biases[i]) for every i, in one launch per 16 weights;
     with `k_epilogue`, the K heads among those columns also normalised and rotated into its k_out (check
-    `k_epilogue_unsupported_reason` first; block_n must then divide the head dim).
+    `k_epilogue_unsupported_reason` first; block_n is then the head dim).
 
     Arguments as in the module docstring; call `grouped_gemv_supported` first (not re-checked here; any N
     works, but beyond `max_tokens` the weights are read once per BLOCK_T tokens). CPU tensors run through
@@ -659,16 +643,13 @@ def launch_grouped_gemv(
         else:
             config = epilogue_launch_config(n, rows, k, g, k_epilogue.k_out.shape[-1], w.dtype, x.device)
         overrides = {
-            "BLOCK_T": block_t, "BLOCK_N": block_n, "BLOCK_K": block_k,
+            "BLOCK_T": block_t, "BLOCK_N": block_n if k_epilogue is None else None, "BLOCK_K": block_k,
             "num_warps": num_warps, "SPLIT_K": split_k,
             "num_stages": num_stages,
         }  # fmt: skip
         config.update({key: value for key, value in overrides.items() if value is not None})
         if config["SPLIT_K"] < 1:
             raise ValueError(f"split_k must be >= 1, got {config['SPLIT_K']}")
-        head_dim = k_epilogue.k_out.shape[-1] if k_epilogue is not None else 0
-        if head_dim and (config["BLOCK_N"] > head_dim or head_dim % config["BLOCK_N"]):
-            raise ValueError(f"block_n must divide the K epilogue's head_dim {head_dim}, got {config['BLOCK_N']}")
         pad = [None] * (MAX_WEIGHTS_PER_LAUNCH - g)  # unused slots
         w_args = chunk_w + pad
         b_args = chunk_b + pad if chunk_b else [None] * MAX_WEIGHTS_PER_LAUNCH
@@ -677,17 +658,11 @@ def launch_grouped_gemv(
         config["SPLIT_K"] = ceil_div(k, k_per_split)
         token_blocks, column_programs = ceil_div(n, config["BLOCK_T"]), g * ceil_div(rows, config["BLOCK_N"])
         grid = (token_blocks * config["SPLIT_K"], column_programs)
-        # One int32 buffer of arrival counters: a tile's K splits, then (heads wider than a tile) a K head's tiles.
-        tile_counters = token_blocks * column_programs if config["SPLIT_K"] > 1 else 0
-        head_counters = 0
-        if head_dim > config["BLOCK_N"]:
-            k_blocks, _, k_heads, _ = k_epilogue.k_out.shape
-            head_counters = token_blocks * k_blocks * k_heads
-        partial = None  # not read without splits
         if config["SPLIT_K"] > 1:
             partial = torch.empty((config["SPLIT_K"], n, g * rows), dtype=torch.float32, device=x.device)
-        counters = tile_counters + head_counters
-        arrivals = torch.zeros(counters, dtype=torch.int32, device=x.device) if counters else None
+            arrivals = torch.zeros(token_blocks * column_programs, dtype=torch.int32, device=x.device)
+        else:  # not read
+            partial, arrivals = None, None
         args = (
             x,
             chunk_out,
@@ -711,7 +686,7 @@ def launch_grouped_gemv(
             partial.stride(0) if config["SPLIT_K"] > 1 else 0,
             partial.stride(1) if config["SPLIT_K"] > 1 else 0,
         )
-        epilogue_args, epilogue_meta = _epilogue_arguments(k_epilogue, start * rows, tile_counters)
+        epilogue_args, epilogue_meta = _epilogue_arguments(k_epilogue, start * rows)
         args += epilogue_args
         # The interpreter's tl.dot multiplies bfloat16's raw uint16 storage: there, bfloat16 tiles are
         # widened to float32 first (exact products) and multiplied with input_precision="ieee".

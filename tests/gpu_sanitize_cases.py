@@ -153,14 +153,11 @@ def main() -> int:
             check_cache_write, "static", torch.bfloat16, "cuda", n_layers=11, norm=norm
         )
     for name in ("one_token", "partial_token_tile", "two_launches", "split_k", "qkv_groups", "token_major",
-                 "positions_interleaved", "partial_rotary", "per_layer_tables", "bias", "sub_head_tiles",
-                 "sub_head_tiles_split_k", "sub_head_tiles_qkv_groups", "sub_head_tiles_two_launches"):  # fmt: skip
+                 "positions_interleaved", "partial_rotary", "per_layer_tables", "bias"):  # fmt: skip
         checks[f"k-epilogue-{name}"] = functools.partial(check_k_epilogue, EPILOGUE_CASES[name], "cuda")
     for tokens in (1, 100):  # real widths: the heuristic's K splits and 64-token tiles
         real = EpilogueCase(tokens=tokens, layers=5, heads=8, head_dim=128, hidden=4096)
         checks[f"k-epilogue-5-layers-{tokens}-tokens"] = functools.partial(check_k_epilogue, real, "cuda")
-        sub_head = dataclasses.replace(real, block_n=32)  # heads of four tiles, a partial token tile at 100
-        checks[f"k-epilogue-5-layers-{tokens}-tokens-32-row-tiles"] = functools.partial(check_k_epilogue, sub_head, "cuda")
     selected = sys.argv[1:]  # names containing any of these (default: every case)
     checks = {name: check for name, check in checks.items() if not selected or any(p in name for p in selected)}
     for name, check in checks.items():

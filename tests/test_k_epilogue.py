@@ -52,7 +52,6 @@ class Case:
     bias: bool = False
     token_major: bool = False
     split_k: int | None = None
-    block_n: int | None = None  # None: the heuristic's (head-wide) tiles; less: heads of several tiles
 
 
 def weights_and_columns(case: Case, gen, device):
@@ -144,7 +143,7 @@ def run_case(case: Case, device: str) -> None:
         case.weight_in_float32, case.round_before_rope,
     )  # fmt: skip
     assert k_epilogue_unsupported_reason(weights[0].shape[0], n_columns, epilogue, out) is None
-    launch_grouped_gemv(x, weights, biases, out, k_epilogue=epilogue, split_k=case.split_k, block_n=case.block_n)
+    launch_grouped_gemv(x, weights, biases, out, k_epilogue=epilogue, split_k=case.split_k)
 
     expected = torch.cat([x.double() @ w.double().t() for w in weights], dim=1)
     if biases:
@@ -194,12 +193,6 @@ CASES = {
     "token_major": Case(token_major=True),
     "split_k": Case(split_k=3, hidden=200),
     "two_launches": Case(layers=9, tokens=2),  # 18 weights: K heads in both launches of 16 and 2
-    # heads of two tiles: the last program to store a head's tile normalises and rotates the head
-    "sub_head_tiles": Case(head_dim=32, block_n=16, tokens=17),
-    "sub_head_tiles_interleaved_partial": Case(head_dim=32, block_n=16, interleaved=True, rotary_dim=16),
-    "sub_head_tiles_split_k": Case(head_dim=32, block_n=16, split_k=3, hidden=200),
-    "sub_head_tiles_qkv_groups": Case(head_dim=32, block_n=16, layout="qkv_groups", heads=3, tables="positions"),
-    "sub_head_tiles_two_launches": Case(head_dim=32, block_n=16, layers=9, tokens=2),
 }
 
 
@@ -220,19 +213,17 @@ def test_epilogue_matches_references(name: str, device: str) -> None:
     tables=st.sampled_from(["shared", "per_layer", "positions"]),
     layout=st.sampled_from(["kv", "k_then_v", "qkv_groups"]),
     split_k=st.sampled_from([None, 2]),
-    tile_fraction=st.sampled_from([1, 2]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
 )
 def test_property_interpreter(
-    tokens, layers, heads, head_dim, rotary_eighths, interleaved, norm, tables, layout, split_k, tile_fraction,
-    dtype, monkeypatch,
-) -> None:  # fmt: skip
+    tokens, layers, heads, head_dim, rotary_eighths, interleaved, norm, tables, layout, split_k, dtype, monkeypatch
+) -> None:
     """Random compositions of the epilogue's options through the interpreter, against both references."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     case = Case(
         tokens=tokens, layers=layers, heads=heads, head_dim=head_dim, hidden=80, dtype=dtype,
         rotary_dim=head_dim * rotary_eighths // 8, interleaved=interleaved, norm=norm, tables=tables,
-        layout=layout, split_k=split_k, block_n=head_dim // tile_fraction if head_dim > 16 else None,
+        layout=layout, split_k=split_k,
     )  # fmt: skip
     run_case(case, "cpu")
 
