@@ -71,6 +71,7 @@ SPLIT_K_FEW_TOKENS, SPLIT_K_MORE_TOKENS = 8, 4  # K splits when even 16-row tile
 SPLIT_BLOCK_K_BYTES = 256
 SPLIT_MIN_ROW_BYTES = 8192  # past 16 tokens, split K only over weight rows this long (4096 bf16 features)
 EPILOGUE_TILE_BYTES = 32 * 1024  # a head-wide weight tile per pipeline stage, at most
+UNSPLIT_EPILOGUE_STAGES = 4  # pipeline stages of an unsplit K-epilogue launch of up to 32 tokens
 
 
 def _grouped_gemv_kernel(
@@ -541,11 +542,12 @@ def epilogue_launch_config(
 ) -> dict[str, int]:
     """The launch for the K epilogue: tiles one head wide (BLOCK_N = head_dim), BLOCK_T as in
     `default_launch_config`, BLOCK_K SPLIT_BLOCK_K_BYTES of a weight row (less where a stage's weight tile
-    would pass EPILOGUE_TILE_BYTES: shared memory), and K split over programs when
-    fewer programs than SMs would stream weights: up to 8 splits for up to 16 tokens, up to 4 past that and
-    only below half the SMs. From a sweep on an H200 (benchmarks/RESULTS.md): 5 layers' K and V (80 head
-    tiles) at T = 1 26.3 us with 2 splits (27.3 unsplit, 27.4 with 4); one layer (16 head tiles) 10.1 us
-    with 8 (22.1 unsplit); at 64 tokens 5 layers unsplit (31.4 against 36.5 with 2), one layer 4 splits."""
+    would pass EPILOGUE_TILE_BYTES: shared memory). K is split over programs only when fewer programs than
+    half the SMs would stream weights (up to 8 splits for up to 16 tokens, up to 4 past that); unsplit
+    launches of up to 32 tokens pipeline UNSPLIT_EPILOGUE_STAGES K steps. From sweeps on an H200
+    (benchmarks/RESULTS.md): one layer (16 head tiles) at T = 1 10.1 us with 8 splits (22.1 unsplit); 5
+    layers' K and V (80 head tiles) 24.3 us unsplit in 4 stages (26.0 with 2 splits in 3); at 64 tokens 5
+    layers unsplit (31.4 against 36.5 with 2), one layer 4 splits."""
     element_size = dtype.itemsize
     block_t = max(MIN_BLOCK_T, min(next_power_of_2(max(n, 1)), 64))
     # at most EPILOGUE_TILE_BYTES of weights per pipeline stage (head_dim 256: half the K step)
@@ -556,10 +558,10 @@ def epilogue_launch_config(
         return config
     programs = ceil_div(n, block_t) * n_weights * ceil_div(rows, head_dim)
     sms = sm_count(device)
-    if n <= 16 and programs < sms:
-        config["SPLIT_K"] = min(8, ceil_div(sms, programs))
-    elif n > 16 and programs < sms // 2:
-        config["SPLIT_K"] = min(4, ceil_div(sms, programs))
+    if programs < sms // 2:
+        config["SPLIT_K"] = min(8 if n <= 16 else 4, ceil_div(sms, programs))
+    elif block_t <= 32:
+        config["num_stages"] = UNSPLIT_EPILOGUE_STAGES
     return config
 
 

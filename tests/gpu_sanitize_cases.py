@@ -155,9 +155,11 @@ def main() -> int:
     for name in ("one_token", "partial_token_tile", "two_launches", "split_k", "qkv_groups", "token_major",
                  "positions_interleaved", "partial_rotary", "per_layer_tables", "bias"):  # fmt: skip
         checks[f"k-epilogue-{name}"] = functools.partial(check_k_epilogue, EPILOGUE_CASES[name], "cuda")
-    for tokens in (1, 100):  # real widths: the heuristic's K splits and 64-token tiles
-        real = EpilogueCase(tokens=tokens, layers=5, heads=8, head_dim=128, hidden=4096)
-        checks[f"k-epilogue-5-layers-{tokens}-tokens"] = functools.partial(check_k_epilogue, real, "cuda")
+    # real widths: the heuristic's unsplit 4-stage launches (5 layers, up to 32 tokens), 64-token tiles,
+    # K splits (one layer)
+    for layers, tokens in ((5, 1), (5, 32), (5, 100), (1, 1)):
+        real = EpilogueCase(tokens=tokens, layers=layers, heads=8, head_dim=128, hidden=4096)
+        checks[f"k-epilogue-{layers}-layers-{tokens}-tokens"] = functools.partial(check_k_epilogue, real, "cuda")
     selected = sys.argv[1:]  # names containing any of these (default: every case)
     checks = {name: check for name, check in checks.items() if not selected or any(p in name for p in selected)}
     for name, check in checks.items():

@@ -230,12 +230,12 @@ def test_property_interpreter(
 
 @pytest.mark.gpu
 @CUDA
-@pytest.mark.parametrize("tokens", [1, 16, 100])
-def test_epilogue_at_real_widths(tokens: int, monkeypatch) -> None:
-    """Qwen3-8B-like widths on CUDA: 5 layers of 8 heads x 128 over hidden 4096, the launch heuristic's
-    own tiles and K splits."""
+@pytest.mark.parametrize("layers, tokens", [(5, 1), (5, 16), (5, 32), (5, 100), (1, 1), (4, 16)])
+def test_epilogue_at_real_widths(layers: int, tokens: int, monkeypatch) -> None:
+    """Qwen3-8B-like widths on CUDA: layers of 8 heads x 128 over hidden 4096, the launch heuristic's own
+    tiles, pipeline stages and K splits (5 layers unsplit in 4 stages up to 32 tokens, 1 and 4 split)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    run_case(Case(tokens=tokens, layers=5, heads=8, head_dim=128, hidden=4096), "cuda")
+    run_case(Case(tokens=tokens, layers=layers, heads=8, head_dim=128, hidden=4096), "cuda")
 
 
 def _epilogue(k_out, columns=(0, 64, 16), norm_weights=()):
@@ -358,19 +358,22 @@ def test_past_the_epilogue_token_count_the_norm_rope_keeps_its_kernel() -> None:
 
 
 def test_epilogue_launch_heuristic(monkeypatch) -> None:
-    """The measured choices: head-wide tiles, K split up to 8 ways for up to 16 tokens while programs are
-    fewer than SMs, up to 4 ways past that only below half the SMs; the interpreter never splits."""
+    """The measured choices: head-wide tiles, K split (up to 8 ways for up to 16 tokens, 4 past that) only
+    while programs are fewer than half the SMs, else unsplit launches of up to 32 tokens in 4 pipeline
+    stages; the interpreter never splits."""
     monkeypatch.setattr(grouped_gemv, "_sm_count", lambda index: 132)  # an H200
     cuda, bf16 = torch.device("cuda", 0), torch.bfloat16
 
     def config(n, n_weights, dtype=bf16, device=cuda):
         return grouped_gemv.epilogue_launch_config(n, 1024, 4096, n_weights, 128, dtype, device)
 
-    # 5 layers' K and V: 80 head tiles -> 2 splits up to 16 tokens, none at 32 (80 >= 66 programs)
-    assert config(1, 10) == {"BLOCK_T": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "SPLIT_K": 2}
-    assert config(16, 10)["SPLIT_K"] == 2 and config(32, 10) == {
-        "BLOCK_T": 32, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "SPLIT_K": 1,
-    }  # fmt: skip
+    # 5 layers' K and V: 80 head tiles (>= 66) -> unsplit, 4 stages up to 32 tokens, Triton's default past that
+    unsplit = {"BLOCK_T": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "SPLIT_K": 1, "num_stages": 4}
+    assert config(1, 10) == unsplit and config(16, 10) == unsplit
+    assert config(32, 10) == {**unsplit, "BLOCK_T": 32}
+    assert config(64, 10) == {"BLOCK_T": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "SPLIT_K": 1}
+    # 4 layers: 64 head tiles -> 3 splits (ceil(132 / 64)), pipelined as Triton's default
+    assert config(1, 8)["SPLIT_K"] == 3 and "num_stages" not in config(1, 8)
     # one layer: 16 head tiles -> 8 splits, then 4
     assert config(1, 2)["SPLIT_K"] == 8 and config(32, 2)["SPLIT_K"] == 4
     assert config(1, 2, torch.float32)["BLOCK_K"] == 64  # 256 bytes of a weight row per step
