@@ -24,6 +24,9 @@ token counts with --dynamic), one compile per T; torch._dynamo.reset() between c
     fxf_sep        the same with options gemm_epilogue=False (the K norm/RoPE a kernel of its own after the
                    grouped GEMM, as before the epilogue; only when named in --columns)
     fxf_sep_graph  the same, CUDA-graphed
+    fxf_tab        fx_fusion with options rotary_angles_in_kernel=False (the K epilogue reads the cos/sin
+                   tables that the graph computes; only when named in --columns)
+    fxf_tab_graph  the same, CUDA-graphed
     fxf_frz        torch.compile(m, backend="fx_fusion") with freezing
     fxf_frz_graph  the same, CUDA-graphed
     floor          max(bytes / copy bandwidth, flops / matmul rate); bytes = x + all K/V weights (+biases)
@@ -78,10 +81,12 @@ COLUMNS = [
     "fxf_graph",
     "fxf_sep",
     "fxf_sep_graph",
+    "fxf_tab",
+    "fxf_tab_graph",
     "fxf_frz",
     "fxf_frz_graph",
 ]
-DEFAULT_COLUMNS = [c for c in COLUMNS if not c.startswith("fxf_sep")]  # the ablation on request
+DEFAULT_COLUMNS = [c for c in COLUMNS if not c.startswith(("fxf_sep", "fxf_tab"))]  # the ablations on request
 
 
 def log(msg: str) -> None:
@@ -259,7 +264,7 @@ def floor_us(model, seq_len: int, batch: int, ceilings: dict[str, float]) -> dic
 # Column families
 
 
-def fx_fusion_backend(min_layers: int | None = None, gemm_epilogue: bool = True):
+def fx_fusion_backend(min_layers: int | None = None, gemm_epilogue: bool = True, angles_in_kernel: bool = True):
     """The fx_fusion backend: its registered name, or (with options) the callable with options bound."""
     import functools
 
@@ -268,6 +273,8 @@ def fx_fusion_backend(min_layers: int | None = None, gemm_epilogue: bool = True)
     options = {} if min_layers is None else {"min_layers": min_layers}
     if not gemm_epilogue:
         options["gemm_epilogue"] = False
+    if not angles_in_kernel:
+        options["rotary_angles_in_kernel"] = False
     if options:
         return functools.partial(backend_module.fx_fusion_backend, options=options)
     from torch._dynamo.backends.registry import lookup_backend
@@ -470,6 +477,8 @@ class Bench:
         self._compiled_family(row, tag, model, x, pos, ref, fxf, False, "fxf", "fxf_graph")
         fxf_sep = lambda: fx_fusion_backend(self.args.fxf_min_layers, gemm_epilogue=False)  # noqa: E731
         self._compiled_family(row, tag, model, x, pos, ref, fxf_sep, False, "fxf_sep", "fxf_sep_graph")
+        fxf_tab = lambda: fx_fusion_backend(self.args.fxf_min_layers, angles_in_kernel=False)  # noqa: E731
+        self._compiled_family(row, tag, model, x, pos, ref, fxf_tab, False, "fxf_tab", "fxf_tab_graph")
         self._compiled_family(row, tag, model, x, pos, ref, fxf, True, "fxf_frz", "fxf_frz_graph")
         del ref, x, pos
         gc.collect()
@@ -564,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-lens", default=None, help="comma-separated T values (default 1,16,128,1024,8192)")
     parser.add_argument("--quick", action="store_true", help=f"T in {QUICK_SEQ_LENS} only")
     parser.add_argument(
-        "--columns", default=",".join(DEFAULT_COLUMNS), help="comma-separated subset of the columns (default: all but fxf_sep*)"
+        "--columns", default=",".join(DEFAULT_COLUMNS), help="comma-separated subset of the columns (default: all but fxf_sep* and fxf_tab*)"
     )
     parser.add_argument("--graph", choices=["manual", "reduce-overhead"], default="manual")
     parser.add_argument(

@@ -6,9 +6,10 @@
 
 Options of the pass: `min_layers` (default 1: a single layer is fused too), `disable` (compile without the
 pass), `gemm_epilogue` (default True; False keeps the K norm/RoPE a kernel of its own after the grouped
-GEMM). Every other option is an Inductor config option, passed through as `torch.compile(options=...)`
-would. With Inductor freezing on, the pass runs on the joint graph, before freezing folds and merges the
-projection weights.
+GEMM), `rotary_angles_in_kernel` (default True; False has that GEMM read RoPE's cos/sin from the tables
+the graph computes rather than computing them itself). Every other option is an Inductor config option,
+passed through as `torch.compile(options=...)` would. With Inductor freezing on, the pass runs on the
+joint graph, before freezing folds and merges the projection weights.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch._dynamo import list_backends, register_backend
 
 from .fused_kv_pass import FusedKVPass
 
-PASS_OPTIONS = ("min_layers", "disable", "gemm_epilogue")
+PASS_OPTIONS = ("min_layers", "disable", "gemm_epilogue", "rotary_angles_in_kernel")
 
 
 def fx_fusion_backend(
@@ -37,10 +38,14 @@ def fx_fusion_backend(
     min_layers = inductor_options.pop("min_layers", 1)
     disable = inductor_options.pop("disable", False)
     gemm_epilogue = inductor_options.pop("gemm_epilogue", True)
+    angles_in_kernel = inductor_options.pop("rotary_angles_in_kernel", True)
     freezing = inductor_options.get("freezing", torch._inductor.config.freezing)
     stage = "joint" if freezing and not torch.is_grad_enabled() else "post_grad"
     slot = f"{stage}_custom_post_pass"
-    kv_pass = FusedKVPass(min_layers=min_layers, enabled=not disable, stage=stage, gemm_epilogue=gemm_epilogue)
+    kv_pass = FusedKVPass(
+        min_layers=min_layers, enabled=not disable, stage=stage, gemm_epilogue=gemm_epilogue,
+        rotary_angles_in_kernel=angles_in_kernel,
+    )  # fmt: skip
     if inductor_options.get(slot) is not None:
         raise ValueError(f"fx_fusion installs its own {slot}; remove it from options")
     inductor_options[slot] = kv_pass

@@ -88,6 +88,8 @@ class PassRecord:
     ops_kept: list[str] = dataclasses.field(default_factory=list)  # op calls left opaque, with the reason
     gemm_epilogues: int = 0  # grouped GEMMs that normalise and rotate their K heads themselves (op_lowering)
     gemm_epilogue_notes: list[str] = dataclasses.field(default_factory=list)  # why other K norm/RoPE kernels stay
+    rotary_angles_in_kernel: int = 0  # of those grouped GEMMs, how many compute RoPE's cos/sin themselves
+    rotary_angle_notes: list[str] = dataclasses.field(default_factory=list)  # why the others read cos/sin tables
     # copies of the whole graph right before and after the pass, kept only while RecordSink asks for them
     full_graph_before: Optional[torch.fx.Graph] = dataclasses.field(default=None, repr=False, compare=False)
     full_graph_after: Optional[torch.fx.Graph] = dataclasses.field(default=None, repr=False, compare=False)
@@ -102,6 +104,8 @@ class PassRecord:
             text += f", {self.ops_inlined} fused op call(s) handed to Inductor as code"
         if self.gemm_epilogues:
             text += f", K norm/RoPE in {self.gemm_epilogues} grouped GEMM(s)"
+            if self.rotary_angles_in_kernel:
+                text += f" ({self.rotary_angles_in_kernel} computing their own cos/sin)"
         if self.ops_kept:
             text += f", {len(self.ops_kept)} kept as op call(s) ({self.ops_kept[0]})"
         if self.rejected:

@@ -93,6 +93,7 @@ class FusedKVPass(CustomGraphPass):
         stage: str = "post_grad",
         inline_ops: bool = True,
         gemm_epilogue: bool = True,
+        rotary_angles_in_kernel: bool = True,
     ):
         if min_layers < 1:
             raise ValueError(f"min_layers must be >= 1, got {min_layers}")
@@ -101,6 +102,7 @@ class FusedKVPass(CustomGraphPass):
         self.stage = stage  # "post_grad", or "joint" when installed before Inductor freezing
         self.inline_ops = inline_ops  # hand the fused ops to Inductor as code (op_lowering)
         self.gemm_epilogue = gemm_epilogue  # K norm/RoPE in the grouped GEMM where lowering can
+        self.rotary_angles_in_kernel = rotary_angles_in_kernel  # ... computing its cos/sin where it can
         self.records: list[PassRecord] = []
 
     def __call__(self, graph: torch.fx.Graph) -> None:
@@ -112,8 +114,10 @@ class FusedKVPass(CustomGraphPass):
         if before is not None:  # the rewrite as the report shows it: fused op calls, not yet inlined
             record.full_graph_before, record.full_graph_after = before, copy.deepcopy(graph)
         if self.inline_ops:
-            lowered = op_lowering.lower_fused_ops(graph, gemm_epilogue=self.gemm_epilogue)
-            record.ops_inlined, record.ops_kept, record.gemm_epilogues, record.gemm_epilogue_notes = lowered
+            lowered = op_lowering.lower_fused_ops(graph, self.gemm_epilogue, self.rotary_angles_in_kernel)
+            record.ops_inlined, record.ops_kept = lowered.inlined, lowered.kept
+            record.gemm_epilogues, record.gemm_epilogue_notes = lowered.gemm_epilogues, lowered.gemm_epilogue_notes
+            record.rotary_angles_in_kernel, record.rotary_angle_notes = lowered.angles_in_kernel, lowered.angle_notes
         self.records.append(record)
         RecordSink.emit(record)
 
@@ -141,7 +145,7 @@ class FusedKVPass(CustomGraphPass):
         )
         options = (
             f"min_layers={self.min_layers},enabled={self.enabled},stage={self.stage},inline={self.inline_ops},"
-            f"epilogue={self.gemm_epilogue}"
+            f"epilogue={self.gemm_epilogue},angles={self.rotary_angles_in_kernel}"
         )
         return get_hash_for_files(files, extra=options)
 

@@ -32,6 +32,7 @@ from torch._subclasses.functional_tensor import (
 )
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from . import rotary_angles
 from .kv_patterns import hoist_before
 
 logger = logging.getLogger("fx_fusion")
@@ -61,9 +62,9 @@ def _check_kernels_only_write_fresh_tensors(traced: torch.fx.Graph, writable: fr
                 raise ValueError(f"the kernel may write its inputs {written}, which would be copied on every call")
 
 
-def _signature(node: torch.fx.Node) -> str:
-    """What a traced body depends on: the target, the argument structure and constants, and each input's
-    shape, strides, dtype and device (layers of one model share it, and so one trace)."""
+def _describe(template: Any) -> str:
+    """The structure and constants of `template`, each node in it as its value's shape, strides, dtype and
+    device (or its value, for a symbolic or plain one)."""
 
     def describe(arg: torch.fx.Node) -> str:
         value = arg.meta["val"]
@@ -71,7 +72,13 @@ def _signature(node: torch.fx.Node) -> str:
             return f"T({tuple(value.shape)},{value.stride()},{value.dtype},{value.device})"
         return f"V({value!r})"
 
-    return repr((str(node.target), torch.fx.map_arg((node.args, node.kwargs), describe)))
+    return repr(torch.fx.map_arg(template, describe))
+
+
+def _signature(node: torch.fx.Node) -> str:
+    """What a traced body depends on: the target, the argument structure and constants, and each input's
+    shape, strides, dtype and device (layers of one model share it, and so one trace)."""
+    return repr((str(node.target), _describe((node.args, node.kwargs))))
 
 
 def _trace_template(fn: Callable[..., Any], template: Any) -> torch.fx.GraphModule:
@@ -244,9 +251,30 @@ def _k_epilogue_body(args, kwargs):
     return grouped_linear.grouped_linear_k_epilogue_body(*args, **kwargs)
 
 
-def _k_epilogue_plan(node: torch.fx.Node, traces: dict):
+def _angle_source(c, n_tokens: int) -> "rotary_angles.AngleSource | str":
+    """Where the launch can compute materialize_k's cos / sin from (`rotary_angles.find_angle_source`), or
+    why it reads them as tables."""
+    from fx_fusion.kernels.grouped_gemv import MAX_ANGLE_TOKENS
+
+    if n_tokens > MAX_ANGLE_TOKENS:  # reading the tables is faster (and replays would grow with the tokens)
+        return f"{n_tokens} tokens: reading tables is faster past {MAX_ANGLE_TOKENS}"
+    if c.positions is not None or not isinstance(c.cos, torch.fx.Node) or not isinstance(c.sin, torch.fx.Node):
+        return "the rotary tables are a cos/sin cache read at positions"
+    try:
+        source = rotary_angles.find_angle_source(c.cos, c.sin, n_tokens, c.rotary_dim, c.interleaved)
+    except Exception as error:  # noqa: BLE001  (a failed read-back costs the angles only, not the epilogue)
+        logger.debug("fx_fusion: reading back the rotary tables failed", exc_info=True)
+        return f"reading the tables back failed: {type(error).__name__}: {error}"
+    kv_dtype = c.k_proj.meta["val"].dtype
+    if not isinstance(source, str) and source.rounded_to not in (None, kv_dtype):
+        return f"the tables are rounded to {source.rounded_to}, K is {kv_dtype}"
+    return source
+
+
+def _k_epilogue_plan(node: torch.fx.Node, traces: dict, angles_in_kernel: bool = True):
     """For a materialize_k call: (its k_proj, the grouped_linear that is a view of, the views between, the
-    template and traced body of the fused launch), or why there is none (a string). Changes no graph."""
+    template and traced body of the fused launch, the `rotary_angles.AngleSource` the launch computes cos /
+    sin from or why it reads the tables), or why there is none (a string). Changes no graph."""
     from fx_fusion.kernels import ops
 
     common, _ = ops._common_and_token_major(node.args, node.kwargs)
@@ -260,8 +288,12 @@ def _k_epilogue_plan(node: torch.fx.Node, traces: dict):
     k_columns = _k_columns(grouped, c.k_proj, c.num_kv_heads, c.head_dim)
     if k_columns is None:
         return f"K's tokens are not the rows of {grouped.name} (or sizes are symbolic)"
-    template = ((*grouped.args, k_columns, *node.args), dict(node.kwargs))
-    key = ("k_epilogue", _signature(grouped), _signature(node), k_columns)
+    angles = _angle_source(c, c.k_proj.meta["val"].shape[0]) if angles_in_kernel else "not asked for"
+    kwargs = dict(node.kwargs)
+    if not isinstance(angles, str):
+        kwargs["rotary_angles"] = (angles.inv_freq, angles.positions, angles.scale, angles.rounded_to is not None)
+    template = ((*grouped.args, k_columns, *node.args), kwargs)
+    key = ("k_epilogue", _signature(grouped), _signature(node), k_columns, _describe(kwargs.get("rotary_angles")))
     traced = traces.get(key)
     if isinstance(traced, Exception):  # layers alike: refused once, refused again
         raise traced
@@ -273,26 +305,49 @@ def _k_epilogue_plan(node: torch.fx.Node, traces: dict):
             traces[key] = error
             raise
         traces[key] = traced
-    return c.k_proj, grouped, chain, template, traced
+    return c.k_proj, grouped, chain, template, traced, angles
 
 
-def _fuse_k_epilogues(graph: torch.fx.Graph, traces: dict) -> tuple[int, list[str]]:
+class Lowered(NamedTuple):
+    """What `lower_fused_ops` did."""
+
+    inlined: int  # op calls replaced by their traced bodies
+    kept: list[str]  # op calls left in place, with the reason
+    gemm_epilogues: int  # grouped GEMMs carrying the K norm/RoPE of a materialize_k call
+    gemm_epilogue_notes: list[str]  # why other materialize_k calls keep their own kernel
+    angles_in_kernel: int  # of those epilogues, how many compute their cos / sin themselves
+    angle_notes: list[str]  # why the others read tables
+
+
+def _erase_unused(graph: torch.fx.Graph, nodes: frozenset) -> None:
+    """Erase the nodes of `nodes` that nothing reads any more, users before their inputs."""
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    for node in sorted((n for n in nodes if n in order), key=order.__getitem__, reverse=True):
+        if not node.users:
+            graph.erase_node(node)
+
+
+def _fuse_k_epilogues(
+    graph: torch.fx.Graph, traces: dict, angles_in_kernel: bool = True
+) -> tuple[int, list[str], int, list[str]]:
     """Lower each grouped_linear call whose K heads a materialize_k call reads (through views) together with
-    that call, as one launch (grouped_linear.grouped_linear_k_epilogue_body); returns how many pairs, and
-    why other materialize_k calls keep their own kernel. Those are lowered one by one."""
-    fused, notes = 0, []
+    that call, as one launch (grouped_linear.grouped_linear_k_epilogue_body), which computes the rotary
+    cos / sin itself where the tables are read back to positions and frequencies (the table computations
+    then go); returns how many pairs, why other materialize_k calls keep their own kernel (those are
+    lowered one by one), how many launches compute their cos / sin, and why the others read tables."""
+    fused, notes, in_kernel, angle_notes = 0, [], 0, []
     for node in list(graph.nodes):
         if node.target is not torch.ops.fx_fusion.materialize_k.default:
             continue
         try:
-            plan = _k_epilogue_plan(node, traces)
+            plan = _k_epilogue_plan(node, traces, angles_in_kernel)
         except Exception as error:  # noqa: BLE001  (NotImplementedError: not served; either way lowered one by one)
             logger.debug("fx_fusion: %s keeps its own norm/RoPE kernel", node.name, exc_info=True)
             plan = f"{type(error).__name__}: {error}"
         if isinstance(plan, str):
             notes.append(f"{node.name}: {plan}")
             continue
-        k_proj, grouped, chain, template, traced = plan
+        k_proj, grouped, chain, template, traced, angles = plan
         # The launch replaces the grouped_linear call: the norm/RoPE inputs must be ready there.
         if not hoist_before(grouped, [n for n in node.all_input_nodes if n is not k_proj]):
             notes.append(f"{node.name}: an input depends on {grouped.name}")
@@ -311,19 +366,26 @@ def _fuse_k_epilogues(graph: torch.fx.Graph, traces: dict) -> tuple[int, list[st
                 graph.erase_node(view)
         graph.erase_node(grouped)
         fused += 1
-    return fused, notes
+        if isinstance(angles, str):
+            angle_notes.append(f"{node.name}: {angles}")
+        else:
+            _erase_unused(graph, angles.nodes)  # the tables, once no other call reads them
+            in_kernel += 1
+    return fused, notes, in_kernel, angle_notes
 
 
-def lower_fused_ops(graph: torch.fx.Graph, gemm_epilogue: bool = True) -> tuple[int, list[str], int, list[str]]:
-    """Inline every fx_fusion op call that has a traceable body; returns (how many, why others were kept,
-    how many grouped GEMMs carry the K epilogue, why other K norm/RoPE calls keep their own kernel).
+def lower_fused_ops(graph: torch.fx.Graph, gemm_epilogue: bool = True, angles_in_kernel: bool = True) -> Lowered:
+    """Inline every fx_fusion op call that has a traceable body; says what it did (`Lowered`).
 
     With `gemm_epilogue`, a grouped_linear and the materialize_k reading its K heads become one launch
-    where it serves them (`_fuse_k_epilogues`). A body that cannot be traced leaves its call in place
+    where it serves them (`_fuse_k_epilogues`), which computes RoPE's cos / sin itself where the tables
+    allow and `angles_in_kernel` asks for it. A body that cannot be traced leaves its call in place
     (still correct, as an opaque op) with the reason.
     """
     bodies, kept, traces = _bodies(), [], {}
-    epilogues, notes = _fuse_k_epilogues(graph, traces) if gemm_epilogue else (0, [])
+    epilogues, notes, angles, angle_notes = (
+        _fuse_k_epilogues(graph, traces, angles_in_kernel) if gemm_epilogue else (0, [], 0, [])
+    )
     inlined = 2 * epilogues
     for node in list(graph.nodes):
         found = _body_of(node, bodies)
@@ -337,4 +399,4 @@ def lower_fused_ops(graph: torch.fx.Graph, gemm_epilogue: bool = True) -> tuple[
             kept.append(f"{node.name}: {reason}")
         except Exception as error:  # noqa: BLE001  (any tracing failure: keep the op call)
             kept.append(f"{node.name}: {type(error).__name__}: {error}")
-    return inlined, kept, epilogues, notes
+    return Lowered(inlined, kept, epilogues, notes, angles, angle_notes)

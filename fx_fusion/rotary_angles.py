@@ -12,18 +12,38 @@ precision, "highest"; checked when the pass runs). The multiply changes no value
 angles into its pointwise cos/sin kernel instead of launching the bmm and the kernels around it.
 
 Only ancestors of a fused group's cos/sin tables are rewritten, and only matmuls of that exact form.
+
+`find_angle_source` reads such tables back to what they are computed from, so that the grouped GEMM's K
+epilogue can compute cos and sin itself (`grouped_gemv.RotaryAngles`) instead of a kernel writing tables
+for it to read. It accepts tables exactly when the kernel's math gives the same bits:
+
+1. the tail from each table up to its `aten.cos` / `aten.sin` holds only layout ops, casts to float32
+   or to one narrower float dtype (a rounding the kernel repeats), and at most one multiply by a Python
+   number `scale`, made before any rounding (or scale = 1), the trig function computed in float32;
+2. the angles feeding the trig functions come from two tensors, the positions P and the frequencies I,
+   through layout ops, casts and multiplies only: IEEE operations, which Inductor's code, the kernel and
+   the CPU all round alike (no matmul, whose float32 may run as TF32; no division, which Triton may
+   approximate; nothing transcendental, whose libraries differ);
+3. replayed on the CPU with random P and I, and with the tails' trig functions, scale and casts taken as
+   the identity, both tables equal float32(P[t]) * float32(I[freq(d)]) bit for bit at every token t and
+   dim d, with freq(d) = d mod rotary_dim / 2 for neox pairs and d // 2 for interleaved ones. The tables
+   are then round(trig(that angle) * scale), with the trig functions Inductor's code also calls
+   (`tl.cos` / `tl.sin`).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from .values import LAYOUT_OPS
+
 aten = torch.ops.aten
+prims = torch.ops.prims
 
 # How far up from the cos/sin tables to look (the HF rotary embedding sits within ~10 nodes).
 MAX_ANCESTORS = 64
@@ -82,3 +102,212 @@ def outer_products_to_mul(
         graph.erase_node(matmul)
         created.append(product)
     return created
+
+
+# --------------------------------------------------------------------------------------------------------
+# Tables read back to positions and frequencies
+# --------------------------------------------------------------------------------------------------------
+
+_TABLE_LAYOUT = LAYOUT_OPS | {
+    aten.squeeze.dims,
+    aten.squeeze.default,
+    aten.expand.default,
+    aten.t.default,
+    aten.slice.Tensor,
+    aten.select.int,
+}
+_CASTS = frozenset({prims.convert_element_type.default, aten._to_copy.default})
+_ANGLE_OPS = _TABLE_LAYOUT | _CASTS | {aten.mul.Tensor, aten.cat.default, aten.stack.default, aten.repeat.default}
+_NARROW_FLOATS = (torch.bfloat16, torch.float16)
+MAX_ANGLE_NODES = 64  # the angle computations of the rotary embeddings seen stay below 20 nodes
+PROBE_POSITIONS = 2**20  # replayed positions are random integers below this
+
+
+class AngleSource(NamedTuple):
+    """cos / sin tables [T, rotary_dim] computed as round(trig(float32(positions[t]) * float32(inv_freq[j]))
+    * scale), rounded to `rounded_to` (None: kept in float32). `nodes`: the nodes between positions /
+    inv_freq and the tables (the computation the kernel takes over)."""
+
+    inv_freq: torch.fx.Node
+    positions: torch.fx.Node
+    scale: float
+    rounded_to: Optional[torch.dtype]
+    nodes: frozenset
+
+
+def _value(node) -> Optional[torch.Tensor]:
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _scalar_factor(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, float]]:
+    """(tensor, number) of a mul.Tensor of a node by a Python number, else None."""
+    if node.target is not aten.mul.Tensor or len(node.args) != 2 or node.kwargs:
+        return None
+    a, b = node.args
+    if isinstance(a, torch.fx.Node) and isinstance(b, (int, float)) and not isinstance(b, bool):
+        return a, float(b)
+    if isinstance(b, torch.fx.Node) and isinstance(a, (int, float)) and not isinstance(a, bool):
+        return b, float(a)
+    return None
+
+
+def _is_cast(node: torch.fx.Node) -> bool:
+    """A dtype conversion that keeps device and elements (memory format aside)."""
+    if node.target not in _CASTS:
+        return False
+    source, out = _value(node.args[0]), _value(node)
+    extra = set(node.kwargs) - {"dtype", "memory_format", "layout", "device"}
+    return source is not None and out is not None and not extra and source.device == out.device
+
+
+def _table_tail(table: torch.fx.Node, trig) -> Union[str, tuple]:
+    """Walk from a table up to its `trig` node: (trig node, scale, rounded_to, tail nodes), or why not."""
+    tail, node = [], table
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is not trig:
+        if len(tail) >= MAX_ANGLE_NODES:
+            return "the table is too far from its trig function"
+        tail.append(node)
+        factor = _scalar_factor(node)
+        if factor is not None:
+            node = factor[0]
+        elif node.target in _TABLE_LAYOUT or _is_cast(node):
+            node = node.args[0]
+        else:
+            return f"the table is computed with {node.target} after the {trig.__name__}"
+    if not isinstance(node, torch.fx.Node) or node.target is not trig:
+        return f"the table is not a {trig.__name__} of angles"
+    computed = _value(node)
+    if computed is None or computed.dtype != torch.float32:
+        return f"the {trig.__name__} is not computed in float32"
+    # In computation order: at most one scale, made before any rounding (or by 1); roundings to one dtype.
+    scale, rounded_to = 1.0, None
+    for step in reversed(tail):
+        factor = _scalar_factor(step)
+        if factor is not None:
+            if scale != 1.0 or (rounded_to is not None and factor[1] != 1.0):
+                return "the table is scaled twice, or after a rounding"
+            scale = factor[1]
+        elif step.target in _CASTS:
+            dtype = _value(step).dtype
+            if dtype in _NARROW_FLOATS and rounded_to in (None, dtype):
+                rounded_to = dtype
+            elif dtype != torch.float32:
+                return f"the table is cast to {dtype}"
+    return node, scale, rounded_to, tail
+
+
+def _angle_inputs(starts: list, limit: int = MAX_ANGLE_NODES) -> Union[str, tuple[list, list]]:
+    """From the trig functions' inputs up through `_ANGLE_OPS`: (the nodes passed, the tensors where the
+    walk stops: graph inputs, constants, or nodes computed by other ops), or why not."""
+    inside, frontier, stack = [], [], list(starts)
+    while stack:
+        node = stack.pop()
+        if node in inside or node in frontier:
+            continue
+        computed_here = node.op == "call_function" and node.target in _ANGLE_OPS and node.all_input_nodes
+        if node.target in _CASTS and not _is_cast(node):
+            computed_here = False
+        if not computed_here:
+            frontier.append(node)
+            continue
+        if len(inside) >= limit:
+            return "the angles take too many nodes"
+        inside.append(node)
+        stack.extend(node.all_input_nodes)
+    return inside, frontier
+
+
+def _replay(nodes: list, substitutes: dict, identities: dict, tables: tuple) -> tuple[torch.Tensor, ...]:
+    """Evaluate `nodes` (in graph order) on the CPU from `substitutes` (node -> tensor), each key of
+    `identities` passing on the value of the node it maps to; returns the values of `tables`."""
+    env = dict(substitutes)
+
+    def lookup(arg):
+        return env[arg]
+
+    for node in nodes:
+        if node in env:
+            continue
+        if node in identities:
+            env[node] = env[identities[node]]
+            continue
+        args, kwargs = torch.fx.map_arg((node.args, node.kwargs), lookup)
+        if "device" in kwargs:
+            kwargs = {**kwargs, "device": torch.device("cpu")}
+        env[node] = node.target(*args, **kwargs)
+    return tuple(env[t] for t in tables)
+
+
+def _probe(value: torch.Tensor, positions: bool, generator: torch.Generator) -> torch.Tensor:
+    """Random CPU values laid out like `value` (shape and strides; elements that share memory there, as an
+    expanded tensor's do, share a value here): integers below PROBE_POSITIONS for positions, floats in
+    [1e-4, 1) for frequencies."""
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(value.shape, value.stride()) if size > 0)
+    if positions:
+        storage = torch.randint(0, PROBE_POSITIONS, (extent,), generator=generator).to(value.dtype)
+    else:
+        storage = (torch.rand(extent, generator=generator, dtype=torch.float64) * (1 - 1e-4) + 1e-4).to(value.dtype)
+    return storage.as_strided(tuple(value.shape), value.stride())
+
+
+def find_angle_source(
+    cos: torch.fx.Node, sin: torch.fx.Node, n_tokens: int, rotary_dim: int, interleaved: bool
+) -> Union[AngleSource, str]:
+    """Where per-token cos / sin tables [n_tokens, rotary_dim] come from, as an `AngleSource` the K epilogue
+    can compute them from (module docstring), or why they cannot be read back that way (a string)."""
+    tails = []
+    for table, trig in ((cos, aten.cos.default), (sin, aten.sin.default)):
+        value = _value(table)
+        if value is None or tuple(value.shape) != (n_tokens, rotary_dim):
+            return f"the {trig.__name__} table is not [{n_tokens}, {rotary_dim}]"
+        found = _table_tail(table, trig)
+        if isinstance(found, str):
+            return found
+        tails.append(found)
+    (cos_trig, cos_scale, cos_rounding, cos_tail), (sin_trig, sin_scale, sin_rounding, sin_tail) = tails
+    if (cos_scale, cos_rounding) != (sin_scale, sin_rounding):
+        return "cos and sin are scaled or rounded differently"
+    walked = _angle_inputs([cos_trig.args[0], sin_trig.args[0]])
+    if isinstance(walked, str):
+        return walked
+    inside, frontier = walked
+    tensors = [node for node in frontier if _value(node) is not None]
+    if len(tensors) != 2 or len(frontier) != 2:
+        return f"the angles come from {len(tensors)} tensors and {len(frontier) - len(tensors)} other values, not positions and frequencies"
+    values = [_value(node) for node in tensors]
+    if any(not all(isinstance(v, int) for v in (*t.shape, *t.stride())) for t in values):
+        return "the angles' inputs have symbolic sizes"
+    half = rotary_dim // 2
+    order = [(p, i) for p, i in ((0, 1), (1, 0))
+             if values[p].numel() == n_tokens and values[i].numel() == half
+             and values[i].is_floating_point()
+             and values[p].dtype != torch.bool and not values[p].is_complex()]  # fmt: skip
+    if not order:
+        return f"no input holds {n_tokens} positions and the other {half} floating-point frequencies"
+    trig_nodes = {cos_trig, sin_trig}
+    identities = {trig: trig.args[0] for trig in trig_nodes}  # trig functions, scales, casts: passed through
+    for step in (*cos_tail, *sin_tail):
+        factor = _scalar_factor(step)
+        if factor is not None or step.target in _CASTS:
+            identities[step] = factor[0] if factor is not None else step.args[0]
+    graph_order = {node: index for index, node in enumerate(cos.graph.nodes)}
+    nodes = sorted({*inside, *trig_nodes, *cos_tail, *sin_tail}, key=graph_order.__getitem__)
+    dims = torch.arange(rotary_dim)
+    freq = dims // 2 if interleaved else dims % half
+    generator = torch.Generator().manual_seed(0)
+    reasons = []
+    for p, i in order:
+        with unset_fake_temporarily(), torch.no_grad():
+            positions = _probe(values[p], True, generator)
+            inv_freq = _probe(values[i], False, generator)
+            expected = positions.reshape(-1).float()[:, None] * inv_freq.reshape(-1).float()[freq][None, :]
+            try:
+                got = _replay(nodes, {tensors[p]: positions, tensors[i]: inv_freq}, identities, (cos, sin))
+            except (RuntimeError, TypeError, ValueError, IndexError) as error:
+                reasons.append(f"replaying the angles failed: {type(error).__name__}: {error}")
+                continue
+        if all(g.dtype == torch.float32 and g.shape == expected.shape and torch.equal(g, expected) for g in got):
+            return AngleSource(tensors[i], tensors[p], cos_scale, cos_rounding, frozenset(nodes))
+        reasons.append("the tables are not trig(position * frequency) at each token and dim")
+    return reasons[0]

@@ -59,6 +59,7 @@ MAX_TOKENS = 128  # above this, one cuBLAS GEMM per weight is faster for a few w
 MAX_TOKENS_MANY_WEIGHTS = 256  # ... and above this even for MANY_WEIGHTS or more (measured on an H200)
 MANY_WEIGHTS = 6
 MAX_EPILOGUE_TOKENS = 32  # above this, the K norm/RoPE as a kernel of its own is faster (measured on an H200)
+MAX_ANGLE_TOKENS = 4  # above this, the epilogue reads cos/sin tables rather than computing them (measured)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_GRID_COLUMN_BLOCKS = 65535  # CUDA's limit on a grid's second axis, which counts column blocks
 
@@ -123,6 +124,7 @@ def _grouped_gemv_kernel(
     stride_sin_row,
     stride_sin_dim,
     stride_positions,
+    angle_scale,
     NUM_WEIGHTS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -139,6 +141,8 @@ def _grouped_gemv_kernel(
     NUM_NORM_WEIGHTS: tl.constexpr,
     HAS_EPS_TENSOR: tl.constexpr,
     USE_POSITIONS: tl.constexpr,
+    ANGLES: tl.constexpr,
+    ROUND_ANGLES: tl.constexpr,
     NORM_WEIGHT_OFFSET: tl.constexpr,
     NORM_WEIGHT_IN_FLOAT32: tl.constexpr,
     NORM_ROUND_BEFORE_ROPE: tl.constexpr,
@@ -157,6 +161,9 @@ def _grouped_gemv_kernel(
     EVEN_K: K is a multiple of BLOCK_K (so every split is too): the K loop loads without a K mask.
     K_EPILOGUE (BLOCK_N = head_dim): a tile that is one K head also goes through the K norm and RoPE into
     k_out (`KEpilogue`); the partner element of each dim is re-read from the tile just stored.
+    ANGLES: cos and sin are computed, not read: cos_ptr holds inv_freq [ROTARY_DIM // 2] (stride
+    stride_cos_dim), positions_ptr the tokens' positions; cos = cos(float32(position) * inv_freq[j]) *
+    angle_scale, rounded to k's dtype when ROUND_ANGLES (sin alike), as the graph's own tables are.
     """
     pid_tok = tl.program_id(0) // SPLIT_K  # token blocks (then splits) vary fastest: programs running
     split = tl.program_id(0) % SPLIT_K  # together share a weight tile
@@ -271,7 +278,23 @@ def _grouped_gemv_kernel(
                     x_partner = (x_partner * inv_rms).to(normed_dtype).to(tl.float32) * w_partner[None, :]
                     x_partner = x_partner.to(weighted_dtype).to(tl.float32)
                 rot_mask = tok_mask[:, None] & rotary[None, :]
-                if USE_POSITIONS:  # a cos/sin cache row per token: cos of frequency j at j, its sin at r/2 + j
+                if ANGLES:  # the tables' math, one row per token of the tile (rows past N keep cos 1, sin 0);
+                    # tl.cos / tl.sin are what Inductor's code calls for aten.cos / aten.sin
+                    inv_freq = tl.load(cos_ptr + freq * stride_cos_dim, mask=rotary, other=0.0).to(tl.float32)
+                    cos = tl.full((BLOCK_T, BLOCK_N), 1.0, tl.float32)
+                    sin = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+                    first_token = pid_tok * BLOCK_T
+                    for t in range(first_token, tl.minimum(N, first_token + BLOCK_T)):
+                        position = tl.load(positions_ptr + t * stride_positions).to(tl.float32)
+                        row_cos = tl.cos(position * inv_freq) * angle_scale
+                        row_sin = tl.sin(position * inv_freq) * angle_scale
+                        if ROUND_ANGLES:
+                            row_cos = row_cos.to(kv_dtype).to(tl.float32)
+                            row_sin = row_sin.to(kv_dtype).to(tl.float32)
+                        row = (tokens == t)[:, None]
+                        cos = tl.where(row, row_cos[None, :], cos)
+                        sin = tl.where(row, row_sin[None, :], sin)
+                elif USE_POSITIONS:  # a cos/sin cache row per token: cos of frequency j at j, its sin at r/2 + j
                     positions = tl.load(positions_ptr + tokens.to(tl.int64) * stride_positions, mask=tok_mask, other=0)
                     positions = tl.minimum(tl.maximum(positions.to(tl.int64), 0), cache_rows - 1)
                     cos_ptrs = cos_ptr + positions[:, None] * stride_cos_row + freq[None, :] * stride_cos_dim
@@ -282,8 +305,9 @@ def _grouped_gemv_kernel(
                     cos_ptrs += dims[None, :] * stride_cos_dim
                     sin_ptrs = sin_ptr + block.to(tl.int64) * stride_sin_block + token_rows * stride_sin_row
                     sin_ptrs += dims[None, :] * stride_sin_dim
-                cos = tl.load(cos_ptrs, mask=rot_mask, other=1.0).to(tl.float32)
-                sin = tl.load(sin_ptrs, mask=rot_mask, other=0.0).to(tl.float32)
+                if not ANGLES:
+                    cos = tl.load(cos_ptrs, mask=rot_mask, other=1.0).to(tl.float32)
+                    sin = tl.load(sin_ptrs, mask=rot_mask, other=0.0).to(tl.float32)
                 signed_partner = tl.where(first, -x_partner, x_partner)
                 k = tl.where(rotary[None, :], x * cos + signed_partner * sin, x)
                 k_ptrs = (
@@ -414,6 +438,22 @@ def grouped_gemv_supported(
     return grouped_gemv_unsupported_reason(x, weights, biases, out, gemms) is None
 
 
+class RotaryAngles(NamedTuple):
+    """RoPE's cos and sin computed in the kernel, as a graph computes its tables from positions: for token
+    t and frequency j, cos(float32(positions[t]) * float32(inv_freq[j])) * scale in float32 (sin alike),
+    then rounded to K's dtype when `rounded`. With neox pairs dim d < rotary_dim uses frequency d mod
+    rotary_dim / 2, with interleaved pairs d // 2.
+
+        inv_freq:  [rotary_dim // 2] floating (converted to float32 as loaded), any stride
+        positions: [N] integer or floating, any stride (exact in float32: below 2**24 in magnitude)
+    """
+
+    inv_freq: torch.Tensor
+    positions: torch.Tensor
+    scale: float
+    rounded: bool
+
+
 class KEpilogue(NamedTuple):
     """K heads among the output columns, normalised and rotated as the tiles holding them are written.
 
@@ -425,7 +465,9 @@ class KEpilogue(NamedTuple):
     norm_weights: [] (no norm), [table] with table [n_blocks, head_dim], or n_blocks (<= 16) tensors of
     [head_dim]; eps: [n_blocks] float tensor or None (eps_value); cos / sin: per-token tables [N,
     rotary_dim] or [n_blocks, N, rotary_dim] (sin None with positions: cos is then a cos/sin cache
-    [max_pos, rotary_dim] read at positions [N]); the rest as in `launch_fused_kv_materialize`.
+    [max_pos, rotary_dim] read at positions [N]); the rest as in `launch_fused_kv_materialize`. With
+    `angles` the kernel computes cos and sin itself (`RotaryAngles`); cos, sin and positions are then not
+    read.
     """
 
     k_out: torch.Tensor
@@ -443,6 +485,21 @@ class KEpilogue(NamedTuple):
     norm_weight_offset: float
     norm_weight_in_float32: bool
     norm_round_before_rope: bool
+    angles: RotaryAngles | None = None
+
+
+def _angles_unsupported_reason(angles: RotaryAngles, n_tokens: int, rotary_dim: int, device: torch.device) -> str | None:
+    if angles.inv_freq.dim() != 1 or angles.inv_freq.shape[0] != rotary_dim // 2:
+        return f"inv_freq must be [{rotary_dim // 2}], got {tuple(angles.inv_freq.shape)}"
+    if not angles.inv_freq.is_floating_point():
+        return f"inv_freq must be floating, got {angles.inv_freq.dtype}"
+    if angles.positions.dim() != 1 or angles.positions.shape[0] != n_tokens:
+        return f"positions must be [{n_tokens}], got {tuple(angles.positions.shape)}"
+    if angles.positions.dtype == torch.bool or angles.positions.is_complex():
+        return f"positions must be integer or floating, got {angles.positions.dtype}"
+    if angles.inv_freq.device != device or angles.positions.device != device:
+        return "inv_freq and positions must be on the output's device"
+    return None
 
 
 def k_epilogue_unsupported_reason(rows: int, n_columns: int, epilogue: KEpilogue, out: torch.Tensor) -> str | None:
@@ -464,6 +521,8 @@ def k_epilogue_unsupported_reason(rows: int, n_columns: int, epilogue: KEpilogue
         return f"more than {MAX_WEIGHTS_PER_LAUNCH} separate norm weights"
     if len({w.stride() for w in e.norm_weights}) > 1:
         return "separate norm weights of different strides"
+    if e.angles is not None:
+        return _angles_unsupported_reason(e.angles, e.k_out.shape[1], e.rotary_dim, out.device)
     return None
 
 
@@ -571,32 +630,40 @@ def _epilogue_arguments(epilogue: KEpilogue | None, column_shift: int) -> tuple[
     if epilogue is None:
         zeros4 = (0, 0, 0, 0)
         args = (None, 0, 1, 1, 0, 0, *zeros4, *(None,) * MAX_WEIGHTS_PER_LAUNCH, 0, 0, None, 0, 0.0)
-        args += (None, None, None, 0, *(0,) * 7)
+        args += (None, None, None, 0, *(0,) * 7, 0.0)
         return args, dict(
             K_EPILOGUE=False, ROTARY_DIM=2, INTERLEAVED=False, HAS_NORM=False, NUM_NORM_WEIGHTS=1,
-            HAS_EPS_TENSOR=False, USE_POSITIONS=False, NORM_WEIGHT_OFFSET=0.0, NORM_WEIGHT_IN_FLOAT32=False,
-            NORM_ROUND_BEFORE_ROPE=True,
+            HAS_EPS_TENSOR=False, USE_POSITIONS=False, ANGLES=False, ROUND_ANGLES=False, NORM_WEIGHT_OFFSET=0.0,
+            NORM_WEIGHT_IN_FLOAT32=False, NORM_ROUND_BEFORE_ROPE=True,
         )  # fmt: skip
     e = epilogue
     n_blocks, _, heads, _ = e.k_out.shape
     norms = list(e.norm_weights)
     table = len(norms) == 1 and norms[0].dim() == 2
-    positions = e.positions is not None
-    per_token_strides = lambda t: (0, *t.stride()) if t.dim() == 2 else t.stride()  # noqa: E731
     args = (
         e.k_out, e.column - column_shift, e.block_stride, e.head_stride, n_blocks, heads, *e.k_out.stride(),
         *norms, *[None] * (MAX_WEIGHTS_PER_LAUNCH - len(norms)),
         *(norms[0].stride() if table else (0, norms[0].stride(0)) if norms else (0, 0)),
         e.eps, e.eps.stride(0) if e.eps is not None else 0, float(e.eps_value),
-        e.cos, None if positions else e.sin, e.positions,
-        e.cos.shape[0] if positions else 0,
-        *((0, *e.cos.stride()) if positions else per_token_strides(e.cos)),
-        *((0, 0, 0) if positions else per_token_strides(e.sin)),
-        e.positions.stride(0) if positions else 0,
     )  # fmt: skip
+    angles = e.angles
+    positions = angles is None and e.positions is not None
+    per_token_strides = lambda t: (0, *t.stride()) if t.dim() == 2 else t.stride()  # noqa: E731
+    if angles is not None:  # cos_ptr: inv_freq
+        args += (angles.inv_freq, None, angles.positions, 0, 0, 0, angles.inv_freq.stride(0), 0, 0, 0)
+        args += (angles.positions.stride(0), float(angles.scale))
+    else:
+        args += (
+            e.cos, None if positions else e.sin, e.positions if positions else None,
+            e.cos.shape[0] if positions else 0,
+            *((0, *e.cos.stride()) if positions else per_token_strides(e.cos)),
+            *((0, 0, 0) if positions else per_token_strides(e.sin)),
+            e.positions.stride(0) if positions else 0, 0.0,
+        )  # fmt: skip
     return args, dict(
         K_EPILOGUE=True, ROTARY_DIM=e.rotary_dim, INTERLEAVED=e.interleaved, HAS_NORM=bool(e.norm_weights),
         NUM_NORM_WEIGHTS=1 if table else max(1, len(norms)), HAS_EPS_TENSOR=e.eps is not None, USE_POSITIONS=positions,
+        ANGLES=angles is not None, ROUND_ANGLES=angles is not None and angles.rounded,
         NORM_WEIGHT_OFFSET=float(e.norm_weight_offset), NORM_WEIGHT_IN_FLOAT32=e.norm_weight_in_float32,
         NORM_ROUND_BEFORE_ROPE=e.norm_round_before_rope,
     )  # fmt: skip

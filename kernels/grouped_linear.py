@@ -19,7 +19,7 @@ path of every compiled call, and this API dispatches straight to the implementat
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -28,6 +28,7 @@ from .fused_kv_materialize import norm_weight_pointers, norm_weight_table
 from .grouped_gemv import (
     MAX_EPILOGUE_TOKENS,
     KEpilogue,
+    RotaryAngles,
     grouped_gemv_supported,
     grouped_gemv_unsupported_reason,
     k_epilogue_unsupported_reason,
@@ -126,6 +127,7 @@ def grouped_linear_k_epilogue_body(
     biases: list[torch.Tensor],
     k_columns: tuple[int, int, int],
     *materialize_args,
+    rotary_angles: Optional[tuple] = None,
     **materialize_kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What `fx_fusion.op_lowering` traces in place of a grouped_linear call and the materialize_k call
@@ -134,7 +136,10 @@ def grouped_linear_k_epilogue_body(
 
     k_columns = (column, block_stride, head_stride): where materialize_k's k_proj, a view of the grouped
     output [N, columns], finds head h of block b (column + b * block_stride + h * head_stride). The other
-    arguments are the two calls' own. Returns (the grouped output, materialize_k's output). Raises
+    arguments are the two calls' own. `rotary_angles` = (inv_freq, positions, scale, rounded): the launch
+    computes cos / sin from these (`grouped_gemv.RotaryAngles`, inv_freq and positions flattened) instead
+    of reading materialize_k's tables, which must hold the same values (`fx_fusion.rotary_angles`).
+    Returns (the grouped output, materialize_k's output). Raises
     NotImplementedError where the fused launch does not serve the call (not CUDA, a symbolic or too large
     token count, heads not tile-aligned): the two calls are then lowered one by one.
     """
@@ -156,9 +161,13 @@ def grouped_linear_k_epilogue_body(
     if norm_weights is None:  # one table (or no norm)
         table = norm_weight_table(norm_weight, n_blocks, c.head_dim)
         norm_weights = [] if table is None else [table]
+    angles = None
+    if rotary_angles is not None:
+        inv_freq, positions, scale, rounded = rotary_angles
+        angles = RotaryAngles(inv_freq.reshape(-1), positions.reshape(-1), scale, rounded)
     epilogue = KEpilogue(
         k_out, *k_columns, norm_weights, c.eps, c.eps_value, c.cos, c.sin, c.positions, c.rotary_dim,
-        c.interleaved, c.norm_weight_offset, c.norm_weight_in_float32, c.norm_round_before_rope,
+        c.interleaved, c.norm_weight_offset, c.norm_weight_in_float32, c.norm_round_before_rope, angles,
     )  # fmt: skip
     reason = grouped_gemv_unsupported_reason(x, blocks, bias_blocks, out)
     reason = reason or k_epilogue_unsupported_reason(blocks[0].shape[0], out.shape[1], epilogue, out)

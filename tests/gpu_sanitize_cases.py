@@ -153,13 +153,16 @@ def main() -> int:
             check_cache_write, "static", torch.bfloat16, "cuda", n_layers=11, norm=norm
         )
     for name in ("one_token", "partial_token_tile", "two_launches", "split_k", "qkv_groups", "token_major",
-                 "positions_interleaved", "partial_rotary", "per_layer_tables", "bias"):  # fmt: skip
+                 "positions_interleaved", "partial_rotary", "per_layer_tables", "bias", "angles",
+                 "angles_interleaved_partial"):  # fmt: skip
         checks[f"k-epilogue-{name}"] = functools.partial(check_k_epilogue, EPILOGUE_CASES[name], "cuda")
     # real widths: the heuristic's unsplit 4-stage launches (5 layers, up to 32 tokens), 64-token tiles,
     # K splits (one layer)
     for layers, tokens in ((5, 1), (5, 32), (5, 100), (1, 1)):
         real = EpilogueCase(tokens=tokens, layers=layers, heads=8, head_dim=128, hidden=4096)
         checks[f"k-epilogue-{layers}-layers-{tokens}-tokens"] = functools.partial(check_k_epilogue, real, "cuda")
+    real_angles = EpilogueCase(tokens=17, layers=5, heads=8, head_dim=128, hidden=4096, tables="angles")
+    checks["k-epilogue-5-layers-17-tokens-angles"] = functools.partial(check_k_epilogue, real_angles, "cuda")
     selected = sys.argv[1:]  # names containing any of these (default: every case)
     checks = {name: check for name, check in checks.items() if not selected or any(p in name for p in selected)}
     for name, check in checks.items():

@@ -14,6 +14,7 @@ import dataclasses
 
 import pytest
 import torch
+import triton
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,10 +22,11 @@ from fx_fusion import drafts
 from fx_fusion.diagnostics import RecordSink
 from fx_fusion.kernels import grouped_gemv
 from fx_fusion.kernels.fused_kv_materialize import launch_fused_kv_materialize
-from fx_fusion.kernels.grouped_gemv import KEpilogue, k_epilogue_unsupported_reason, launch_grouped_gemv
+from fx_fusion.kernels.grouped_gemv import KEpilogue, RotaryAngles, k_epilogue_unsupported_reason, launch_grouped_gemv
 from fx_fusion.op_lowering import _k_columns
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+INTERPRETER_VERSION = tuple(int(part) for part in triton.__version__.split(".")[:2])
 @pytest.fixture
 def device(triton_device: str) -> str:
     """The device to build inputs on (conftest's triton_device: the interpreter on CPU, or CUDA)."""
@@ -42,7 +44,9 @@ class Case:
     interleaved: bool = False
     rotary_dim: int | None = None  # None: head_dim
     norm: str = "list"  # "list" (one weight per layer), "table" ([layers, head_dim]), "none"
-    tables: str = "shared"  # "shared" per-token cos/sin, "per_layer", "positions" (cos/sin cache)
+    # "shared" per-token cos/sin, "per_layer", "positions" (cos/sin cache), "angles" (computed in the kernel
+    # from inv_freq and strided positions, scaled by 1.25; the reference reads the same math's tables)
+    tables: str = "shared"
     eps_tensor: bool = False
     weight_in_float32: bool = False
     round_before_rope: bool = True
@@ -80,8 +84,16 @@ def make_inputs(case: Case, device: str, seed: int = 0):
     norm_rows = (torch.randn(case.layers, case.head_dim, generator=gen) / 4 + 1).to(case.dtype).to(device)
     norm_weights = {"list": list(norm_rows), "table": [norm_rows], "none": []}[case.norm]
     eps = (torch.rand(case.layers, generator=gen) * 1e-2).to(device) if case.eps_tensor else None
-    positions = None
-    if case.tables == "positions":
+    positions = rotary_angles = None
+    if case.tables == "angles":
+        inv_freq = (10000.0 ** (-torch.arange(0, rotary_dim, 2) / rotary_dim)).to(device)
+        token_positions = torch.randint(0, 4096, (case.tokens, 2), generator=gen).to(device)[:, 1]  # strided
+        freq = torch.arange(rotary_dim, device=device)
+        freq = freq // 2 if case.interleaved else freq % (rotary_dim // 2)
+        table_angles = token_positions.float()[:, None] * inv_freq[freq][None, :]
+        cos, sin = ((f(table_angles) * 1.25).to(case.dtype) for f in (torch.cos, torch.sin))
+        rotary_angles = RotaryAngles(inv_freq, token_positions, 1.25, rounded=True)
+    elif case.tables == "positions":
         angles = torch.rand(64, rotary_dim // 2, generator=gen) * 6
         cos, sin = torch.cat([angles.cos(), angles.sin()], dim=-1).to(device), None
         positions = torch.randint(0, 64, (case.tokens,), generator=gen).to(device)
@@ -89,7 +101,7 @@ def make_inputs(case: Case, device: str, seed: int = 0):
         shape = (case.layers, case.tokens, rotary_dim) if case.tables == "per_layer" else (case.tokens, rotary_dim)
         angles = torch.rand(*shape, generator=gen) * 6
         cos, sin = angles.cos().to(case.dtype).to(device), angles.sin().to(case.dtype).to(device)
-    return x, weights, biases, columns, norm_rows, norm_weights, eps, cos, sin, positions
+    return x, weights, biases, columns, norm_rows, norm_weights, eps, cos, sin, positions, rotary_angles
 
 
 def k_view(out: torch.Tensor, case: Case, columns) -> torch.Tensor:
@@ -128,7 +140,9 @@ def float64_k(k: torch.Tensor, case: Case, norm_rows, eps, cos, sin, positions) 
 
 
 def run_case(case: Case, device: str) -> None:
-    x, weights, biases, columns, norm_rows, norm_weights, eps, cos, sin, positions = make_inputs(case, device)
+    if case.tables == "angles" and device == "cpu" and INTERPRETER_VERSION < (3, 9):
+        pytest.skip(f"Triton {triton.__version__}'s interpreter fails on the in-kernel cos/sin (3.6's does; 3.9's runs it)")
+    x, weights, biases, columns, norm_rows, norm_weights, eps, cos, sin, positions, angles = make_inputs(case, device)
     n_columns = sum(w.shape[0] for w in weights)
     out = torch.full((case.tokens, n_columns), float("nan"), dtype=case.dtype, device=device)
     shape = (case.layers, case.tokens, case.heads, case.head_dim)
@@ -140,7 +154,7 @@ def run_case(case: Case, device: str) -> None:
     offset = 0.5 if case.norm != "none" else 0.0
     epilogue = KEpilogue(
         k_out, *columns, norm_weights, eps, 1e-6, cos, sin, positions, rotary_dim, case.interleaved, offset,
-        case.weight_in_float32, case.round_before_rope,
+        case.weight_in_float32, case.round_before_rope, angles,
     )  # fmt: skip
     assert k_epilogue_unsupported_reason(weights[0].shape[0], n_columns, epilogue, out) is None
     launch_grouped_gemv(x, weights, biases, out, k_epilogue=epilogue, split_k=case.split_k)
@@ -163,9 +177,14 @@ def run_case(case: Case, device: str) -> None:
     )  # fmt: skip
     # The kernels sum a head's squares in different orders, so a normalised element may round one way in one
     # and the other way in the other: apart by at most one rounding at the scale of the head's largest
-    # element (RoPE mixes two elements, so a small output can carry its inputs' rounding).
+    # element (RoPE mixes two elements, so a small output can carry its inputs' rounding). With angles the
+    # tables' cos and sin (torch's) and the kernel's (Triton's) may differ in the last bit before rounding.
     materialized = materialized.double()
     relative = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 2**-20}[case.dtype]
+    if case.tables == "angles" and device == "cpu" and case.dtype == torch.bfloat16:
+        # The interpreter converts float32 to bfloat16 by truncation (torch and the GPU round to nearest), so
+        # its cos and sin can sit a table ulp (2**-7 at 1.25) from torch's, and RoPE scales that by two elements.
+        relative *= 4
     bound = materialized.abs().amax(-1, keepdim=True) * relative
     assert ((k_out.double() - materialized).abs() <= bound).all()
 
@@ -180,6 +199,10 @@ CASES = {
     "positions": Case(tables="positions"),
     "positions_interleaved": Case(tables="positions", interleaved=True),
     "per_layer_tables": Case(tables="per_layer"),
+    "angles": Case(tables="angles"),
+    "angles_interleaved_partial": Case(tables="angles", interleaved=True, rotary_dim=8),
+    "angles_float32": Case(tables="angles", dtype=torch.float32),
+    "angles_float16": Case(tables="angles", dtype=torch.float16),
     "eps_tensor": Case(eps_tensor=True),
     "weight_in_float32": Case(weight_in_float32=True),
     "float32_through_rope": Case(weight_in_float32=True, round_before_rope=False),
@@ -210,7 +233,7 @@ def test_epilogue_matches_references(name: str, device: str) -> None:
     rotary_eighths=st.sampled_from([2, 4, 8]),
     interleaved=st.booleans(),
     norm=st.sampled_from(["list", "table", "none"]),
-    tables=st.sampled_from(["shared", "per_layer", "positions"]),
+    tables=st.sampled_from(["shared", "per_layer", "positions", "angles"]),
     layout=st.sampled_from(["kv", "k_then_v", "qkv_groups"]),
     split_k=st.sampled_from([None, 2]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
@@ -230,17 +253,28 @@ def test_property_interpreter(
 
 @pytest.mark.gpu
 @CUDA
-@pytest.mark.parametrize("layers, tokens", [(5, 1), (5, 16), (5, 32), (5, 100), (1, 1), (4, 16)])
-def test_epilogue_at_real_widths(layers: int, tokens: int, monkeypatch) -> None:
+@pytest.mark.parametrize(
+    "layers, tokens, tables",
+    [(5, 1, "shared"), (5, 16, "shared"), (5, 32, "shared"), (5, 100, "shared"), (1, 1, "shared"), (4, 16, "shared"),
+     (5, 17, "angles"), (1, 1, "angles")],
+)  # fmt: skip
+def test_epilogue_at_real_widths(layers: int, tokens: int, tables: str, monkeypatch) -> None:
     """Qwen3-8B-like widths on CUDA: layers of 8 heads x 128 over hidden 4096, the launch heuristic's own
-    tiles, pipeline stages and K splits (5 layers unsplit in 4 stages up to 32 tokens, 1 and 4 split)."""
+    tiles, pipeline stages and K splits (5 layers unsplit in 4 stages up to 32 tokens, 1 and 4 split),
+    with cos / sin read from tables or computed in the kernel."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    run_case(Case(tokens=tokens, layers=layers, heads=8, head_dim=128, hidden=4096), "cuda")
+    run_case(Case(tokens=tokens, layers=layers, heads=8, head_dim=128, hidden=4096, tables=tables), "cuda")
 
 
-def _epilogue(k_out, columns=(0, 64, 16), norm_weights=()):
+def _epilogue(k_out, columns=(0, 64, 16), norm_weights=(), angles=None):
     cos = torch.ones(k_out.shape[1], 16)
-    return KEpilogue(k_out, *columns, list(norm_weights), None, 1e-6, cos, cos, None, 16, False, 0.0, False, True)
+    return KEpilogue(
+        k_out, *columns, list(norm_weights), None, 1e-6, cos, cos, None, 16, False, 0.0, False, True, angles
+    )  # fmt: skip
+
+
+def _angles(inv_freq=torch.ones(8), positions=torch.arange(3)):
+    return _epilogue(torch.empty(2, 3, 2, 16), angles=RotaryAngles(inv_freq, positions, 1.0, True))
 
 
 @pytest.mark.parametrize(
@@ -251,6 +285,10 @@ def _epilogue(k_out, columns=(0, 64, 16), norm_weights=()):
         ("weights_not_whole_heads", _epilogue(torch.empty(2, 3, 2, 16)), 40, "aligned"),
         ("overlapping_heads", _epilogue(torch.empty(2, 3, 2, 16), (0, 16, 16)), 32, "overlap"),
         ("heads_past_the_output", _epilogue(torch.empty(2, 3, 2, 16), (64, 64, 16)), 32, "outside"),
+        ("inv_freq_not_half_the_rotary_dim", _angles(inv_freq=torch.ones(16)), 32, "inv_freq must be [8]"),
+        ("integer_inv_freq", _angles(inv_freq=torch.ones(8, dtype=torch.int32)), 32, "must be floating"),
+        ("a_position_per_layer", _angles(positions=torch.arange(6).view(2, 3)), 32, "positions must be [3]"),
+        ("boolean_positions", _angles(positions=torch.ones(3, dtype=torch.bool)), 32, "integer or floating"),
         ("too_many_norm_weights", _epilogue(torch.empty(2, 3, 2, 16), norm_weights=[torch.ones(16)] * 17), 32, "norm"),
         (
             "norm_weights_of_different_strides",
@@ -341,6 +379,35 @@ def test_compiled_draft_runs_one_kernel_for_its_context_kv(family, n_layers, tok
 @pytest.mark.usefixtures("fresh_compile")
 @pytest.mark.gpu
 @CUDA
+@pytest.mark.parametrize("family, batch, tokens", [("qwen3", 1, 1), ("qwen3", 2, 2), ("llama", 1, 4)])
+def test_compiled_draft_computes_cos_sin_with_the_tables_bits(family, batch, tokens) -> None:
+    """The launch's own cos / sin are the bits of Inductor's tables: K and V equal, bit for bit, those of
+    the same compile reading the tables (rotary_angles_in_kernel=False), and Inductor's code computes no
+    table (no tl_math.cos)."""
+    build = drafts.qwen3_context_kv if family == "qwen3" else drafts.llama_context_kv
+    module = build(3, hidden_size=2048, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, device="cuda")
+    inputs = drafts.example_inputs(module, batch=batch, seq_len=tokens)
+    runs = {}
+    with torch.no_grad():
+        for in_kernel in (True, False):
+            records = []
+            with RecordSink.collect(records):
+                compiled = torch.compile(module, backend="fx_fusion", options={"rotary_angles_in_kernel": in_kernel})
+                outputs, codes = torch._inductor.utils.run_and_get_code(compiled, *inputs)
+            runs[in_kernel] = records[0], "\n".join(codes), outputs
+            torch._dynamo.reset()
+        ref = module(*inputs)
+    (record, code, got), (_, table_code, from_tables) = runs[True], runs[False]
+    assert record.gemm_epilogues == record.rotary_angles_in_kernel == 1, record.rotary_angle_notes
+    assert "tl_math.cos" not in code and "tl_math.cos" in table_code
+    for g, t, r in zip(got, from_tables, ref):
+        assert torch.equal(g, t)
+        assert _relative_error(g, r) < 1e-2
+
+
+@pytest.mark.usefixtures("fresh_compile")
+@pytest.mark.gpu
+@CUDA
 def test_past_the_epilogue_token_count_the_norm_rope_keeps_its_kernel() -> None:
     """More tokens than MAX_EPILOGUE_TOKENS: the grouped GEMM, then the materialization kernel (measured
     faster there); the record says why."""
@@ -403,13 +470,23 @@ def test_cpu_graphs_keep_the_separate_norm_rope_and_say_why() -> None:
 # --------------------------------------------------------------------------------------------------------
 
 
-def _stand_in_body(x, weights, biases, k_columns, *materialize_args, **materialize_kwargs):
+def _stand_in_body(x, weights, biases, k_columns, *materialize_args, rotary_angles=None, **materialize_kwargs):
     """The fused launch's contract in ATen ops: the grouped output, and materialize_k over the K heads that
-    `k_columns` names in it (so a wrong column mapping gives wrong numbers)."""
+    `k_columns` names in it (so a wrong column mapping gives wrong numbers), with cos / sin computed from
+    `rotary_angles` when given (so wrong positions or frequencies give wrong numbers)."""
     from fx_fusion.kernels import grouped_linear, ops
 
     out = grouped_linear.grouped_linear_body(x, weights, biases)
     k_proj = materialize_args[0]
+    if rotary_angles is not None:
+        inv_freq, positions, scale, rounded = rotary_angles
+        c = ops.CommonArgs(*ops._common_and_token_major(materialize_args, materialize_kwargs)[0])
+        freq = torch.arange(c.rotary_dim, device=x.device)
+        freq = freq // 2 if c.interleaved else freq % (c.rotary_dim // 2)
+        angle = positions.reshape(-1).float()[:, None] * inv_freq.reshape(-1).float()[freq][None, :]
+        tables = [trig(angle) * scale for trig in (torch.cos, torch.sin)]
+        tables = [t.to(k_proj.dtype) if rounded else t for t in tables]
+        materialize_args = (*materialize_args[:4], *tables, *materialize_args[6:])
     column, block_stride, head_stride = k_columns
     if k_proj.dim() == 3:
         strides = (out.stride(0), block_stride, 1)
@@ -456,6 +533,78 @@ def test_lowering_fuses_pairs_with_the_right_columns(model, monkeypatch) -> None
         ref, got = (ref.logits,), (got.logits,)
     for g, r in zip(got, ref):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.usefixtures("fresh_compile")
+@pytest.mark.parametrize(
+    "dtype, batch, tokens, shared_positions",
+    [(torch.float32, 2, 2, False), (torch.float32, 2, 2, True), (torch.bfloat16, 1, 4, False), (torch.bfloat16, 1, 5, False)],
+)
+def test_lowering_computes_cos_sin_in_the_launch_and_drops_the_tables(dtype, batch, tokens, shared_positions, monkeypatch) -> None:
+    """Hugging Face's rotary tables read back to position_ids and inv_freq: up to MAX_ANGLE_TOKENS tokens
+    the launch gets those (the stand-in computes cos / sin from them) and the graph no longer computes the
+    tables; past it the launch reads the tables, and the record says why. Shared positions: one row of
+    position ids expanded over the batch (stride 0)."""
+    from fx_fusion import op_lowering
+    from fx_fusion.kernels import grouped_linear
+
+    monkeypatch.setattr(op_lowering, "K_EPILOGUE_DEVICE_TYPES", frozenset({"cpu"}))
+    monkeypatch.setattr(grouped_linear, "grouped_linear_k_epilogue_body", _stand_in_body)
+    trig_counts = []
+    lower = op_lowering.lower_fused_ops
+
+    def lower_and_count(graph, *args):
+        lowered = lower(graph, *args)
+        trig_counts.append(sum(n.target in (torch.ops.aten.cos.default, torch.ops.aten.sin.default) for n in graph.nodes))
+        return lowered
+
+    monkeypatch.setattr(op_lowering, "lower_fused_ops", lower_and_count)
+    module = drafts.qwen3_context_kv(3).to(dtype)
+    inputs = [t.to(dtype) if t.is_floating_point() else t for t in drafts.example_inputs(module, batch=batch, seq_len=tokens)]
+    if shared_positions:
+        inputs[1] = inputs[1][:1].expand(batch, -1)
+    records = []
+    with torch.no_grad(), RecordSink.collect(records):
+        ref = module(*inputs)
+        got = torch.compile(module, backend="fx_fusion")(*inputs)
+    (record,) = records
+    if batch * tokens <= grouped_gemv.MAX_ANGLE_TOKENS:
+        assert record.gemm_epilogues == record.rotary_angles_in_kernel == 1, record.rotary_angle_notes
+        assert "computing their own cos/sin" in record.summary()
+        assert trig_counts == [2]  # the stand-in's cos and sin; the graph's own went with the tables
+    else:
+        assert record.gemm_epilogues == 1 and record.rotary_angles_in_kernel == 0
+        assert "reading tables is faster" in record.rotary_angle_notes[0]
+        assert trig_counts == [2]  # the graph's tables, read by the launch
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.usefixtures("fresh_compile")
+def test_a_failing_read_back_costs_the_angles_only(monkeypatch) -> None:
+    """Should reading the tables back raise, the launch still carries the K norm/RoPE, reading the tables,
+    and the record names the error."""
+    from fx_fusion import op_lowering, rotary_angles
+    from fx_fusion.kernels import grouped_linear
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("read-back broke")
+
+    monkeypatch.setattr(op_lowering, "K_EPILOGUE_DEVICE_TYPES", frozenset({"cpu"}))
+    monkeypatch.setattr(grouped_linear, "grouped_linear_k_epilogue_body", _stand_in_body)
+    monkeypatch.setattr(rotary_angles, "find_angle_source", broken)
+    module = drafts.qwen3_context_kv(2)
+    inputs = drafts.example_inputs(module, seq_len=2)
+    records = []
+    with torch.no_grad(), RecordSink.collect(records):
+        ref = module(*inputs)
+        got = torch.compile(module, backend="fx_fusion")(*inputs)
+    (record,) = records
+    assert record.gemm_epilogues == 1 and record.rotary_angles_in_kernel == 0
+    assert "RuntimeError: read-back broke" in record.rotary_angle_notes[0]
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.usefixtures("fresh_compile")

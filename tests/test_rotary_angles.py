@@ -87,3 +87,132 @@ def test_other_matmuls_are_left_alone(monkeypatch) -> None:
     assert previous == "highest"
     _, created = traced_and_rewritten(hf_style_cos_sin, inv_freq, positions)
     assert created == [], "with TF32/bf16 matmuls allowed the product is not the matmul's result"
+
+
+# --------------------------------------------------------------------------------------------------------
+# find_angle_source: cos / sin tables read back to positions and frequencies
+# --------------------------------------------------------------------------------------------------------
+
+TOKENS, ROTARY_DIM = 7, 16
+
+
+def rope_tables(
+    scale=1.0, dtype=torch.bfloat16, interleaved=False, angle_factor=None, trig_dtype=None,
+    scale_after_rounding=False, sin_scale=None, widen_before_scale=False,
+):  # fmt: skip
+    """cos / sin tables [tokens, rotary_dim] as Hugging Face's rotary embedding computes them (the angles as an
+    outer-product matmul, neox halves or interleaved pairs), with knobs that change the math."""
+
+    def tables(inv_freq, position_ids):
+        inv = inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1)
+        freqs = (inv @ position_ids[:, None, :].float()).transpose(1, 2)
+        emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat((freqs, freqs), dim=-1)
+        if angle_factor is not None:
+            emb = emb * angle_factor
+        if trig_dtype is not None:
+            emb = emb.to(trig_dtype)
+        if scale_after_rounding:
+            cos, sin = emb.cos().to(dtype) * scale, emb.sin().to(dtype) * scale
+        elif widen_before_scale:  # rounded, widened back to float32, scaled there and rounded again
+            cos, sin = ((t.to(dtype).float() * scale).to(dtype) for t in (emb.cos(), emb.sin()))
+        else:
+            cos, sin = (emb.cos() * scale).to(dtype), (emb.sin() * (sin_scale or scale)).to(dtype)
+        return cos.reshape(-1, emb.shape[-1]), sin.reshape(-1, emb.shape[-1])
+
+    return tables
+
+
+def angle_inputs(inv_freq_dtype=torch.float32, positions_dtype=torch.int64):
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, ROTARY_DIM, 2, dtype=torch.float32) / ROTARY_DIM))
+    return inv_freq.to(inv_freq_dtype), torch.randint(0, 40000, (1, TOKENS)).to(positions_dtype)
+
+
+def angle_source(fn, args, interleaved=False, n_tokens=TOKENS):
+    graph_module, _ = traced_and_rewritten(fn, *args)
+    cos, sin = next(n for n in graph_module.graph.nodes if n.op == "output").args[0]
+    return graph_module, rotary_angles.find_angle_source(cos, sin, n_tokens, ROTARY_DIM, interleaved)
+
+
+def placeholder_index(graph_module, node) -> int:
+    return [n for n in graph_module.graph.nodes if n.op == "placeholder"].index(node)
+
+
+@pytest.mark.parametrize(
+    "name, fn, args, interleaved",
+    [
+        ("hf_bf16", rope_tables(), angle_inputs(), False),
+        ("attention_factor", rope_tables(scale=1.25), angle_inputs(), False),
+        ("float32_tables", rope_tables(dtype=torch.float32), angle_inputs(), False),
+        ("float16_tables", rope_tables(dtype=torch.float16), angle_inputs(), False),
+        ("interleaved", rope_tables(interleaved=True), angle_inputs(), True),
+        ("bf16_inv_freq", rope_tables(), angle_inputs(inv_freq_dtype=torch.bfloat16), False),
+        ("float_positions", rope_tables(), angle_inputs(positions_dtype=torch.float32), False),
+        ("int32_positions", rope_tables(), angle_inputs(positions_dtype=torch.int32), False),
+    ],
+)
+def test_tables_read_back_to_positions_and_frequencies(name, fn, args, interleaved) -> None:
+    """The source names the graph's own inputs, and its formula gives the tables' bits at the real inputs."""
+    graph_module, source = angle_source(fn, args, interleaved)
+    assert not isinstance(source, str), source
+    assert placeholder_index(graph_module, source.inv_freq) == 0
+    assert placeholder_index(graph_module, source.positions) == 1
+    inv_freq, positions = args
+    freq = torch.arange(ROTARY_DIM)
+    freq = freq // 2 if interleaved else freq % (ROTARY_DIM // 2)
+    angle = positions.reshape(-1).float()[:, None] * inv_freq.float()[freq][None, :]
+    for trig, table in zip((torch.cos, torch.sin), fn(*args)):
+        expected = trig(angle) * source.scale
+        if source.rounded_to is not None:
+            expected = expected.to(source.rounded_to)
+        assert table.dtype == expected.dtype and torch.equal(table, expected)
+
+
+def test_positions_computed_in_the_graph_are_read_where_they_are() -> None:
+    """Positions made by other ops (an arange plus an offset) are the tensor the angles start from."""
+
+    def tables(inv_freq, start):
+        return rope_tables()(inv_freq, (torch.arange(TOKENS) + start)[None])
+
+    graph_module, source = angle_source(tables, (angle_inputs()[0], torch.tensor(5)))
+    assert not isinstance(source, str), source
+    assert source.positions.target == aten.add.Tensor and source.positions.meta["val"].shape == (TOKENS,)
+
+
+def test_positions_shared_across_a_batch_are_read_as_laid_out() -> None:
+    """Position ids expanded over a batch (stride 0, as a generate loop often passes them): the replay lays
+    its random positions out the same way, and the source is that input."""
+    inv_freq, positions = angle_inputs()
+    batched = positions.expand(3, -1)
+    assert batched.stride()[0] == 0
+    graph_module, source = angle_source(rope_tables(), (inv_freq, batched), n_tokens=3 * TOKENS)
+    assert not isinstance(source, str), source
+    assert placeholder_index(graph_module, source.positions) == 1
+
+
+@pytest.mark.parametrize(
+    "name, fn, interleaved, reason",
+    [
+        ("trig_in_float64", rope_tables(trig_dtype=torch.float64), False, "not computed in float32"),
+        ("scaled_after_rounding", rope_tables(scale=1.25, scale_after_rounding=True), False, "after a rounding"),
+        ("scaled_after_a_round_trip", rope_tables(scale=1.25, widen_before_scale=True), False, "after a rounding"),
+        ("doubled_angles", rope_tables(angle_factor=2.0), False, "not trig(position * frequency)"),
+        ("neox_tables_read_as_pairs", rope_tables(), True, "not trig(position * frequency)"),
+        ("pairs_read_as_neox", rope_tables(interleaved=True), False, "not trig(position * frequency)"),
+        ("cos_and_sin_scaled_apart", rope_tables(scale=1.25, sin_scale=1.5), False, "scaled or rounded differently"),
+    ],
+)
+def test_other_math_keeps_its_tables(name, fn, interleaved, reason) -> None:
+    _, source = angle_source(fn, angle_inputs(), interleaved)
+    assert isinstance(source, str) and reason in source, source
+
+
+def test_angles_from_a_third_tensor_or_a_matmul_keep_their_tables(monkeypatch) -> None:
+    def scaled_by_a_tensor(inv_freq, position_ids, factor):
+        return rope_tables()(inv_freq * factor, position_ids)
+
+    _, source = angle_source(scaled_by_a_tensor, (*angle_inputs(), torch.tensor(0.5)))
+    assert isinstance(source, str) and "3 tensors" in source, source
+
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")  # the bmm stays a bmm
+    _, source = angle_source(rope_tables(), angle_inputs())
+    assert isinstance(source, str) and "1 tensors" in source, source
