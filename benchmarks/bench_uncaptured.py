@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 
 import torch

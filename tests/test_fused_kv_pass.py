@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import io
-import logging
 import pickle
 import re
 
