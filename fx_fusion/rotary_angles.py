@@ -17,9 +17,10 @@ Only ancestors of a fused group's cos/sin tables are rewritten, and only matmuls
 epilogue can compute cos and sin itself (`grouped_gemv.RotaryAngles`) instead of a kernel writing tables
 for it to read. It accepts tables exactly when the kernel's math gives the same bits:
 
-1. the tail from each table up to its `aten.cos` / `aten.sin` holds only layout ops, casts to float32
-   or to one narrower float dtype (a rounding the kernel repeats), and at most one multiply by a Python
-   number `scale`, made before any rounding (or scale = 1), the trig function computed in float32;
+1. the tail from each table up to its `aten.cos` / `aten.sin` nodes holds only layout ops, concatenations
+   (halves joined after the trig function), casts to float32 or to one narrower float dtype (a rounding
+   the kernel repeats), and at most one multiply by a Python number `scale`, made before any rounding (or
+   scale = 1), alike on every path; the trig functions computed in float32;
 2. the angles feeding the trig functions come from two tensors, the positions P and the frequencies I,
    through layout ops, casts and multiplies only: IEEE operations, which Inductor's code, the kernel and
    the CPU all round alike (no matmul, whose float32 may run as TF32; no division, which Triton may
@@ -162,39 +163,56 @@ def _is_cast(node: torch.fx.Node) -> bool:
 
 
 def _table_tail(table: torch.fx.Node, trig) -> Union[str, tuple]:
-    """Walk from a table up to its `trig` node: (trig node, scale, rounded_to, tail nodes), or why not."""
-    tail, node = [], table
-    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is not trig:
+    """Walk from a table up to the `trig` nodes it is computed from, through layout ops, casts, Python-number
+    multiplies and concatenations (a table of halves, cat(cos(f), cos(f)), as a model that rotates split
+    halves gets): (trig nodes, scale, rounded_to, tail nodes), or why not. In computation order every path
+    takes at most one scale, made before any rounding (or by 1), and roundings to one dtype; all paths alike."""
+    tail, trigs, done = [], [], {}
+
+    def walk(node) -> Union[str, tuple[float, Optional[torch.dtype]]]:
+        if node in done:
+            return done[node]
+        if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+            return f"the table is not a {trig.__name__} of angles"
+        if node.target is trig:
+            computed = _value(node)
+            if computed is None or computed.dtype != torch.float32:
+                return f"the {trig.__name__} is not computed in float32"
+            trigs.append(node)
+            done[node] = (1.0, None)
+            return done[node]
         if len(tail) >= MAX_ANGLE_NODES:
             return "the table is too far from its trig function"
         tail.append(node)
         factor = _scalar_factor(node)
-        if factor is not None:
-            node = factor[0]
-        elif node.target in _TABLE_LAYOUT or _is_cast(node):
-            node = node.args[0]
-        else:
-            return f"the table is computed with {node.target} after the {trig.__name__}"
-    if not isinstance(node, torch.fx.Node) or node.target is not trig:
-        return f"the table is not a {trig.__name__} of angles"
-    computed = _value(node)
-    if computed is None or computed.dtype != torch.float32:
-        return f"the {trig.__name__} is not computed in float32"
-    # In computation order: at most one scale, made before any rounding (or by 1); roundings to one dtype.
-    scale, rounded_to = 1.0, None
-    for step in reversed(tail):
-        factor = _scalar_factor(step)
+        if node.target is aten.cat.default:
+            pieces = [walk(piece) for piece in node.args[0]]
+            failed = [piece for piece in pieces if isinstance(piece, str)]
+            if failed or len(set(pieces)) != 1:
+                return failed[0] if failed else "the table joins pieces scaled or rounded differently"
+            done[node] = pieces[0]
+            return done[node]
+        if factor is None and node.target not in _TABLE_LAYOUT and not _is_cast(node):
+            return f"the table is computed with {node.target}, not from a {trig.__name__} through layout ops, casts and a scale"
+        below = walk(factor[0] if factor is not None else node.args[0])
+        if isinstance(below, str):
+            return below
+        scale, rounded_to = below
         if factor is not None:
             if scale != 1.0 or (rounded_to is not None and factor[1] != 1.0):
                 return "the table is scaled twice, or after a rounding"
             scale = factor[1]
-        elif step.target in _CASTS:
-            dtype = _value(step).dtype
+        elif node.target in _CASTS:
+            dtype = _value(node).dtype
             if dtype in _NARROW_FLOATS and rounded_to in (None, dtype):
                 rounded_to = dtype
             elif dtype != torch.float32:
                 return f"the table is cast to {dtype}"
-    return node, scale, rounded_to, tail
+        done[node] = (scale, rounded_to)
+        return done[node]
+
+    found = walk(table)
+    return found if isinstance(found, str) else (trigs, *found, tail)
 
 
 def _angle_inputs(starts: list, limit: int = MAX_ANGLE_NODES) -> Union[str, tuple[list, list]]:
@@ -265,10 +283,11 @@ def find_angle_source(
         if isinstance(found, str):
             return found
         tails.append(found)
-    (cos_trig, cos_scale, cos_rounding, cos_tail), (sin_trig, sin_scale, sin_rounding, sin_tail) = tails
+    (cos_trigs, cos_scale, cos_rounding, cos_tail), (sin_trigs, sin_scale, sin_rounding, sin_tail) = tails
     if (cos_scale, cos_rounding) != (sin_scale, sin_rounding):
         return "cos and sin are scaled or rounded differently"
-    walked = _angle_inputs([cos_trig.args[0], sin_trig.args[0]])
+    trig_nodes = list(dict.fromkeys([*cos_trigs, *sin_trigs]))  # in a fixed order
+    walked = _angle_inputs([trig.args[0] for trig in trig_nodes])
     if isinstance(walked, str):
         return walked
     inside, frontier = walked
@@ -285,7 +304,6 @@ def find_angle_source(
              and values[p].dtype != torch.bool and not values[p].is_complex()]  # fmt: skip
     if not order:
         return f"no input holds {n_tokens} positions and the other {half} floating-point frequencies"
-    trig_nodes = {cos_trig, sin_trig}
     identities = {trig: trig.args[0] for trig in trig_nodes}  # trig functions, scales, casts: passed through
     for step in (*cos_tail, *sin_tail):
         factor = _scalar_factor(step)

@@ -98,7 +98,7 @@ TOKENS, ROTARY_DIM = 7, 16
 
 def rope_tables(
     scale=1.0, dtype=torch.bfloat16, interleaved=False, angle_factor=None, trig_dtype=None,
-    scale_after_rounding=False, sin_scale=None, widen_before_scale=False,
+    scale_after_rounding=False, sin_scale=None, widen_before_scale=False, join_after_trig=None,
 ):  # fmt: skip
     """cos / sin tables [tokens, rotary_dim] as Hugging Face's rotary embedding computes them (the angles as an
     outer-product matmul, neox halves or interleaved pairs), with knobs that change the math."""
@@ -106,6 +106,10 @@ def rope_tables(
     def tables(inv_freq, position_ids):
         inv = inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1)
         freqs = (inv @ position_ids[:, None, :].float()).transpose(1, 2)
+        if join_after_trig is not None:  # halves joined after the trig function, the second one as given
+            second = join_after_trig(freqs)
+            cos, sin = (torch.cat((trig(freqs), trig(second)), dim=-1) for trig in (torch.cos, torch.sin))
+            return cos.to(dtype).reshape(-1, ROTARY_DIM), sin.to(dtype).reshape(-1, ROTARY_DIM)
         emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat((freqs, freqs), dim=-1)
         if angle_factor is not None:
             emb = emb * angle_factor
@@ -148,6 +152,7 @@ def placeholder_index(graph_module, node) -> int:
         ("bf16_inv_freq", rope_tables(), angle_inputs(inv_freq_dtype=torch.bfloat16), False),
         ("float_positions", rope_tables(), angle_inputs(positions_dtype=torch.float32), False),
         ("int32_positions", rope_tables(), angle_inputs(positions_dtype=torch.int32), False),
+        ("halves_joined_after_trig", rope_tables(join_after_trig=lambda f: f), angle_inputs(), False),
     ],
 )
 def test_tables_read_back_to_positions_and_frequencies(name, fn, args, interleaved) -> None:
@@ -199,6 +204,8 @@ def test_positions_shared_across_a_batch_are_read_as_laid_out() -> None:
         ("neox_tables_read_as_pairs", rope_tables(), True, "not trig(position * frequency)"),
         ("pairs_read_as_neox", rope_tables(interleaved=True), False, "not trig(position * frequency)"),
         ("cos_and_sin_scaled_apart", rope_tables(scale=1.25, sin_scale=1.5), False, "scaled or rounded differently"),
+        ("halves_of_other_angles", rope_tables(join_after_trig=lambda f: f * 2), False, "not trig(position * frequency)"),
+        ("halves_rounded_apart", rope_tables(join_after_trig=lambda f: f.half().float()), False, "not trig(position"),
     ],
 )
 def test_other_math_keeps_its_tables(name, fn, interleaved, reason) -> None:
@@ -216,3 +223,25 @@ def test_angles_from_a_third_tensor_or_a_matmul_keep_their_tables(monkeypatch) -
     monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")  # the bmm stays a bmm
     _, source = angle_source(rope_tables(), angle_inputs())
     assert isinstance(source, str) and "1 tensors" in source, source
+
+
+@pytest.mark.parametrize(
+    "name, second_half, reason",
+    [
+        ("scaled_apart", lambda f: torch.cos(f) * 1.5, "joins pieces scaled or rounded differently"),
+        ("rounded_apart", lambda f: torch.cos(f).to(torch.float16).float(), "joins pieces scaled or rounded differently"),
+        ("not_a_trig", lambda f: torch.ones_like(f), "computed with aten.ones_like.default"),
+    ],
+)
+def test_halves_joined_unlike_keep_their_tables(name, second_half, reason) -> None:
+    """A table whose halves are joined after the trig function folds only when every half is the same trig
+    function of the angles, scaled and rounded alike."""
+
+    def tables(inv_freq, position_ids):
+        freqs = position_ids[0, :, None].float() * inv_freq[None, :].float()
+        cos = torch.cat((torch.cos(freqs), second_half(freqs)), dim=-1)
+        sin = torch.cat((torch.sin(freqs), torch.sin(freqs)), dim=-1)
+        return cos, sin
+
+    _, source = angle_source(tables, angle_inputs())
+    assert isinstance(source, str) and reason in source, source

@@ -127,6 +127,42 @@ def test_deviating_layer_not_grouped_and_matches_eager(case, dtype):
         )
 
 
+# The spellings whose cos / sin tables read back to positions and frequencies (rotary_angles.find_angle_source),
+# so that the fused launch computes cos / sin itself; every other spelling keeps its tables and says why.
+ANGLES_IN_LAUNCH = {"hf_qwen3", "hf_qwen3_bias", "gemma3_one_plus_weight", "falcon_h1_unit_key_multiplier"}
+ANGLE_CASES = [pytest.param(c, torch.float32, id=f"{c.name}-fp32") for c in FUSING + NEGATIVE_CASES] + [
+    pytest.param(c, torch.bfloat16, id=f"{c.name}-bf16") for c in FUSING if c.name in ANGLES_IN_LAUNCH
+]
+
+
+@pytest.mark.parametrize("case, dtype", ANGLE_CASES)
+def test_spelling_through_the_k_epilogue_with_angles_in_the_launch_matches_eager(case, dtype, monkeypatch):
+    """Every spelling through the K-epilogue lowering, forced on CPU with `test_k_epilogue`'s stand-in launch
+    (it computes cos / sin from the positions and frequencies the lowering read back, so a wrong read-back
+    gives wrong numbers) and the angles allowed at any token count: eager's results; the tables of the
+    spellings in ANGLES_IN_LAUNCH (and of the deviating-layer cases, Hugging Face's rotary) are dropped, the
+    others keep theirs with a reason."""
+    import test_k_epilogue
+
+    from fx_fusion import op_lowering
+    from fx_fusion.kernels import grouped_gemv, grouped_linear
+
+    monkeypatch.setattr(op_lowering, "K_EPILOGUE_DEVICE_TYPES", frozenset({"cpu"}))
+    monkeypatch.setattr(grouped_linear, "grouped_linear_k_epilogue_body", test_k_epilogue._stand_in_body)
+    monkeypatch.setattr(grouped_gemv, "MAX_ANGLE_TOKENS", 10**6)
+    got, ref, fused_kv_pass = compile_and_run(case, dtype)
+    assert_matches_eager(got, ref, dtype)
+    records = fused_kv_pass.records
+    epilogues = sum(r.gemm_epilogues for r in records)
+    in_launch = sum(r.rotary_angles_in_kernel for r in records)
+    notes = [note for r in records for note in r.rotary_angle_notes]
+    assert epilogues >= 1, [note for r in records for note in r.gemm_epilogue_notes]
+    if case.name in ANGLES_IN_LAUNCH or case in NEGATIVE_CASES:
+        assert in_launch == epilogues and not notes, notes
+    else:
+        assert in_launch == 0 and len(notes) == epilogues, notes
+
+
 def test_float32_weights_under_autocast_are_named_as_casts(fresh_compile):
     """Under torch.autocast each linear reads a bfloat16 copy of its float32 weight, made in the graph: the
     K projections are reported as such (the V and other plain linears are not), and the compiled module
