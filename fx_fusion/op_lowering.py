@@ -291,7 +291,9 @@ def _k_epilogue_plan(node: torch.fx.Node, traces: dict, angles_in_kernel: bool =
     angles = _angle_source(c, c.k_proj.meta["val"].shape[0]) if angles_in_kernel else "not asked for"
     kwargs = dict(node.kwargs)
     if not isinstance(angles, str):
-        kwargs["rotary_angles"] = (angles.inv_freq, angles.positions, angles.scale, angles.rounded_to is not None)
+        kwargs["rotary_angles"] = (
+            angles.inv_freq, angles.positions, angles.scale, angles.rounded_to is not None, angles.first, angles.step
+        )
     template = ((*grouped.args, k_columns, *node.args), kwargs)
     key = ("k_epilogue", _signature(grouped), _signature(node), k_columns, _describe(kwargs.get("rotary_angles")))
     traced = traces.get(key)

@@ -30,6 +30,11 @@ for it to read. It accepts tables exactly when the kernel's math gives the same 
    dim d, with freq(d) = d mod rotary_dim / 2 for neox pairs and d // 2 for interleaved ones. The tables
    are then round(trig(that angle) * scale), with the trig functions Inductor's code also calls
    (`tl.cos` / `tl.sin`).
+
+Where P holds other than one position per token (the tables are cut from angles over more positions, as a
+draft's context rows are from a table over context and noise), token t reads P.reshape(-1)[first + t *
+step]: a replay with distinct positions and frequencies of 1 gives each token's position, which must
+be evenly spaced in P, then the check of 3 runs on those positions.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from .kernels.grouped_gemv import token_positions
 from .values import LAYOUT_OPS
 
 aten = torch.ops.aten
@@ -122,18 +128,22 @@ _ANGLE_OPS = _TABLE_LAYOUT | _CASTS | {aten.mul.Tensor, aten.cat.default, aten.s
 _NARROW_FLOATS = (torch.bfloat16, torch.float16)
 MAX_ANGLE_NODES = 64  # the angle computations of the rotary embeddings seen stay below 20 nodes
 PROBE_POSITIONS = 2**20  # replayed positions are random integers below this
+MAX_GATHERED_POSITIONS = 4096  # positions tensors that tokens read a part of: at most this many replayed
 
 
 class AngleSource(NamedTuple):
-    """cos / sin tables [T, rotary_dim] computed as round(trig(float32(positions[t]) * float32(inv_freq[j]))
-    * scale), rounded to `rounded_to` (None: kept in float32). `nodes`: the nodes between positions /
-    inv_freq and the tables (the computation the kernel takes over)."""
+    """cos / sin tables [T, rotary_dim] computed as round(trig(float32(p[t]) * float32(inv_freq[j])) *
+    scale), rounded to `rounded_to` (None: kept in float32), where token t's position p[t] is
+    positions.reshape(-1)[first + t * step]. `nodes`: the nodes between positions / inv_freq and the tables
+    (the computation the kernel takes over)."""
 
     inv_freq: torch.fx.Node
     positions: torch.fx.Node
     scale: float
     rounded_to: Optional[torch.dtype]
     nodes: frozenset
+    first: int = 0
+    step: int = 1
 
 
 def _value(node) -> Optional[torch.Tensor]:
@@ -257,16 +267,33 @@ def _replay(nodes: list, substitutes: dict, identities: dict, tables: tuple) -> 
     return tuple(env[t] for t in tables)
 
 
-def _probe(value: torch.Tensor, positions: bool, generator: torch.Generator) -> torch.Tensor:
-    """Random CPU values laid out like `value` (shape and strides; elements that share memory there, as an
-    expanded tensor's do, share a value here): integers below PROBE_POSITIONS for positions, floats in
-    [1e-4, 1) for frequencies."""
-    extent = 1 + sum((size - 1) * stride for size, stride in zip(value.shape, value.stride()) if size > 0)
-    if positions:
-        storage = torch.randint(0, PROBE_POSITIONS, (extent,), generator=generator).to(value.dtype)
+def _extent(value: torch.Tensor) -> int:
+    """Elements of storage that `value`'s shape and strides reach."""
+    return 1 + sum((size - 1) * stride for size, stride in zip(value.shape, value.stride()) if size > 0)
+
+
+def _probe(value: torch.Tensor, kind: str, generator: torch.Generator) -> torch.Tensor:
+    """CPU values laid out like `value` (shape and strides; elements that share memory there, as an
+    expanded tensor's do, share a value here). kind: "positions" (random integers below PROBE_POSITIONS),
+    "distinct" (distinct ones of those), "frequencies" (random floats in [1e-4, 1)) or "ones"."""
+    extent = _extent(value)
+    if kind == "positions":
+        storage = torch.randint(0, PROBE_POSITIONS, (extent,), generator=generator)
+    elif kind == "distinct":
+        storage = torch.randperm(PROBE_POSITIONS, generator=generator)[:extent]
+    elif kind == "frequencies":
+        storage = torch.rand(extent, generator=generator, dtype=torch.float64) * (1 - 1e-4) + 1e-4
     else:
-        storage = (torch.rand(extent, generator=generator, dtype=torch.float64) * (1 - 1e-4) + 1e-4).to(value.dtype)
-    return storage.as_strided(tuple(value.shape), value.stride())
+        storage = torch.ones(extent)
+    return storage.to(value.dtype).as_strided(tuple(value.shape), value.stride())
+
+
+def _evenly_spaced(indices: list[int]) -> Optional[tuple[int, int]]:
+    """(first, step) with indices[t] = first + t * step, step >= 0, or None."""
+    step = indices[1] - indices[0] if len(indices) > 1 else 1
+    if step < 0 or any(index != indices[0] + t * step for t, index in enumerate(indices)):
+        return None
+    return indices[0], step
 
 
 def find_angle_source(
@@ -299,11 +326,11 @@ def find_angle_source(
         return "the angles' inputs have symbolic sizes"
     half = rotary_dim // 2
     order = [(p, i) for p, i in ((0, 1), (1, 0))
-             if values[p].numel() == n_tokens and values[i].numel() == half
-             and values[i].is_floating_point()
+             if values[p].numel() >= 1 and values[i].numel() == half and values[i].is_floating_point()
              and values[p].dtype != torch.bool and not values[p].is_complex()]  # fmt: skip
+    order.sort(key=lambda pair: values[pair[0]].numel() != n_tokens)  # one position per token first
     if not order:
-        return f"no input holds {n_tokens} positions and the other {half} floating-point frequencies"
+        return f"no input holds positions and the other {half} floating-point frequencies"
     identities = {trig: trig.args[0] for trig in trig_nodes}  # trig functions, scales, casts: passed through
     for step in (*cos_tail, *sin_tail):
         factor = _scalar_factor(step)
@@ -314,18 +341,58 @@ def find_angle_source(
     dims = torch.arange(rotary_dim)
     freq = dims // 2 if interleaved else dims % half
     generator = torch.Generator().manual_seed(0)
+
+    def replay(positions: torch.Tensor, inv_freq: torch.Tensor, p: int, i: int):
+        try:
+            return _replay(nodes, {tensors[p]: positions, tensors[i]: inv_freq}, identities, (cos, sin))
+        except (RuntimeError, TypeError, ValueError, IndexError) as error:
+            return f"replaying the angles failed: {type(error).__name__}: {error}"
+
     reasons = []
     for p, i in order:
         with unset_fake_temporarily(), torch.no_grad():
-            positions = _probe(values[p], True, generator)
-            inv_freq = _probe(values[i], False, generator)
-            expected = positions.reshape(-1).float()[:, None] * inv_freq.reshape(-1).float()[freq][None, :]
-            try:
-                got = _replay(nodes, {tensors[p]: positions, tensors[i]: inv_freq}, identities, (cos, sin))
-            except (RuntimeError, TypeError, ValueError, IndexError) as error:
-                reasons.append(f"replaying the angles failed: {type(error).__name__}: {error}")
+            first_step = (0, 1)
+            if values[p].numel() == n_tokens:
+                positions = _probe(values[p], "positions", generator)
+            elif max(values[p].numel(), _extent(values[p])) > MAX_GATHERED_POSITIONS:
+                reasons.append(f"the tables' tokens read part of {values[p].numel()} positions, too many to replay")
                 continue
-        if all(g.dtype == torch.float32 and g.shape == expected.shape and torch.equal(g, expected) for g in got):
-            return AngleSource(tensors[i], tensors[p], cos_scale, cos_rounding, frozenset(nodes))
-        reasons.append("the tables are not trig(position * frequency) at each token and dim")
+            else:
+                positions = _probe(values[p], "distinct", generator)
+                first_step = _gathered_positions(positions, replay(positions, _probe(values[i], "ones", generator), p, i))
+                if isinstance(first_step, str):
+                    reasons.append(first_step)
+                    continue
+            inv_freq = _probe(values[i], "frequencies", generator)
+            per_token = token_positions(positions, *first_step, n_tokens).float()
+            expected = per_token[:, None] * inv_freq.reshape(-1).float()[freq][None, :]
+            got = replay(positions, inv_freq, p, i)
+        if isinstance(got, str):
+            reasons.append(got)
+        elif all(g.dtype == torch.float32 and g.shape == expected.shape and torch.equal(g, expected) for g in got):
+            return AngleSource(tensors[i], tensors[p], cos_scale, cos_rounding, frozenset(nodes), *first_step)
+        else:
+            reasons.append("the tables are not trig(position * frequency) at each token and dim")
     return reasons[0]
+
+
+def _gathered_positions(positions: torch.Tensor, got) -> Union[str, tuple[int, int]]:
+    """(first, step) such that token t of tables `got`, replayed with the distinct `positions` and every
+    frequency 1, holds positions.reshape(-1)[first + t * step] in every dim; or why not."""
+    if isinstance(got, str):
+        return got
+    flat = positions.reshape(-1)
+    if torch.unique(flat).numel() != flat.numel():
+        return f"the tables' tokens read part of {flat.numel()} positions that repeat in memory (an expanded tensor)"
+    indices = []
+    for table in got:
+        if table.dim() != 2 or table.dtype != torch.float32 or not torch.equal(table, table[:, :1].expand_as(table)):
+            return "the tables are not trig(position * frequency) at each token and dim"
+        where = [torch.nonzero(flat.float() == value).reshape(-1) for value in table[:, 0]]
+        if any(found.numel() != 1 for found in where):
+            return "the tables' tokens do not each read one of the positions"
+        indices.append([int(found) for found in where])
+    spaced = _evenly_spaced(indices[0])
+    if indices[0] != indices[1] or spaced is None:
+        return "the tables' tokens read positions that are not evenly spaced"
+    return spaced

@@ -454,6 +454,15 @@ class RotaryAngles(NamedTuple):
     rounded: bool
 
 
+def token_positions(positions: torch.Tensor, first: int, step: int, n_tokens: int) -> torch.Tensor:
+    """[n_tokens] view: positions.reshape(-1)[first + t * step] for token t (where a graph's tables read
+    their positions: `fx_fusion.rotary_angles.AngleSource`)."""
+    flat = positions.reshape(-1)
+    if step == 0:
+        return flat[first : first + 1].expand(n_tokens)
+    return flat[first : first + (n_tokens - 1) * step + 1 : step]
+
+
 class KEpilogue(NamedTuple):
     """K heads among the output columns, normalised and rotated as the tiles holding them are written.
 

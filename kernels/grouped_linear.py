@@ -33,6 +33,7 @@ from .grouped_gemv import (
     grouped_gemv_unsupported_reason,
     k_epilogue_unsupported_reason,
     launch_grouped_gemv,
+    token_positions,
 )
 
 _library = torch.library.Library("fx_fusion", "FRAGMENT")
@@ -136,9 +137,10 @@ def grouped_linear_k_epilogue_body(
 
     k_columns = (column, block_stride, head_stride): where materialize_k's k_proj, a view of the grouped
     output [N, columns], finds head h of block b (column + b * block_stride + h * head_stride). The other
-    arguments are the two calls' own. `rotary_angles` = (inv_freq, positions, scale, rounded): the launch
-    computes cos / sin from these (`grouped_gemv.RotaryAngles`, inv_freq and positions flattened) instead
-    of reading materialize_k's tables, which must hold the same values (`fx_fusion.rotary_angles`).
+    arguments are the two calls' own. `rotary_angles` = (inv_freq, positions, scale, rounded, first, step):
+    the launch computes cos / sin from these (`grouped_gemv.RotaryAngles`, inv_freq flattened, token t at
+    position positions.reshape(-1)[first + t * step]) instead of reading materialize_k's tables, which must
+    hold the same values (`fx_fusion.rotary_angles`).
     Returns (the grouped output, materialize_k's output). Raises
     NotImplementedError where the fused launch does not serve the call (not CUDA, a symbolic or too large
     token count, heads not tile-aligned): the two calls are then lowered one by one.
@@ -163,8 +165,8 @@ def grouped_linear_k_epilogue_body(
         norm_weights = [] if table is None else [table]
     angles = None
     if rotary_angles is not None:
-        inv_freq, positions, scale, rounded = rotary_angles
-        angles = RotaryAngles(inv_freq.reshape(-1), positions.reshape(-1), scale, rounded)
+        inv_freq, positions, scale, rounded, first, step = rotary_angles
+        angles = RotaryAngles(inv_freq.reshape(-1), token_positions(positions, first, step, n_tokens), scale, rounded)
     epilogue = KEpilogue(
         k_out, *k_columns, norm_weights, c.eps, c.eps_value, c.cos, c.sin, c.positions, c.rotary_dim,
         c.interleaved, c.norm_weight_offset, c.norm_weight_in_float32, c.norm_round_before_rope, angles,

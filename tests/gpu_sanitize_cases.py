@@ -73,6 +73,14 @@ def strided_positions() -> None:
     assert_close_to_reference(k_out, reference(case, inputs)[0], case.dtype)
 
 
+def compiled_angles_from_the_positions_end() -> None:
+    """z-lab DFlash's draft for one sequence, compiled: its noise rows' launches compute cos / sin from the
+    last position ids (a view into them, offset by the context's), and must read nothing past them."""
+    from test_spelling_corpus import test_zlab_draft_of_one_sequence_on_cuda_computes_the_tables_bits
+
+    test_zlab_draft_of_one_sequence_on_cuda_computes_the_tables_bits()
+
+
 def grouped_gemv(
     n: int, rows: int, hidden: int, n_weights: int, dtype: torch.dtype, bias: bool, strided: bool, split_k: int | None = None
 ) -> None:
@@ -163,6 +171,7 @@ def main() -> int:
         checks[f"k-epilogue-{layers}-layers-{tokens}-tokens"] = functools.partial(check_k_epilogue, real, "cuda")
     real_angles = EpilogueCase(tokens=17, layers=5, heads=8, head_dim=128, hidden=4096, tables="angles")
     checks["k-epilogue-5-layers-17-tokens-angles"] = functools.partial(check_k_epilogue, real_angles, "cuda")
+    checks["compiled-zlab-angles-from-the-positions-end"] = compiled_angles_from_the_positions_end
     selected = sys.argv[1:]  # names containing any of these (default: every case)
     checks = {name: check for name, check in checks.items() if not selected or any(p in name for p in selected)}
     for name, check in checks.items():

@@ -1163,11 +1163,10 @@ class ZLabDFlashContext(nn.Module):
         return tuple(outs)
 
 
-def build_zlab_dflash(dtype, per_layer_noise=False):
+def build_zlab_dflash(dtype, per_layer_noise=False, batch=BATCH, tokens=TOKENS, q_len=4):
     torch.manual_seed(0)
-    q_len = 4
-    noise, target = _hidden(tokens=q_len), _hidden(tokens=TOKENS)
-    position_ids = _positions(TOKENS + q_len)[None].expand(BATCH, -1)
+    noise, target = _hidden(tokens=q_len, batch=batch), _hidden(tokens=tokens, batch=batch)
+    position_ids = _positions(tokens + q_len)[None].expand(batch, -1)
     return _finish(ZLabDFlashContext(per_layer_noise), dtype, noise, target, position_ids)
 
 

@@ -479,11 +479,12 @@ def _stand_in_body(x, weights, biases, k_columns, *materialize_args, rotary_angl
     out = grouped_linear.grouped_linear_body(x, weights, biases)
     k_proj = materialize_args[0]
     if rotary_angles is not None:
-        inv_freq, positions, scale, rounded = rotary_angles
+        inv_freq, positions, scale, rounded, first, step = rotary_angles
         c = ops.CommonArgs(*ops._common_and_token_major(materialize_args, materialize_kwargs)[0])
         freq = torch.arange(c.rotary_dim, device=x.device)
         freq = freq // 2 if c.interleaved else freq % (c.rotary_dim // 2)
-        angle = positions.reshape(-1).float()[:, None] * inv_freq.reshape(-1).float()[freq][None, :]
+        positions = grouped_gemv.token_positions(positions, first, step, k_proj.shape[0])
+        angle = positions.float()[:, None] * inv_freq.reshape(-1).float()[freq][None, :]
         tables = [trig(angle) * scale for trig in (torch.cos, torch.sin)]
         tables = [t.to(k_proj.dtype) if rounded else t for t in tables]
         materialize_args = (*materialize_args[:4], *tables, *materialize_args[6:])

@@ -8,6 +8,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fx_fusion import rotary_angles
+from fx_fusion.kernels import grouped_gemv
 
 aten = torch.ops.aten
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -245,3 +246,58 @@ def test_halves_joined_unlike_keep_their_tables(name, second_half, reason) -> No
 
     _, source = angle_source(tables, angle_inputs())
     assert isinstance(source, str) and reason in source, source
+
+
+def rows_of(tables_fn, rows):
+    """The tables of `tables_fn` cut to `rows` (a slice, or a callable on each table) after the trig function."""
+
+    def tables(inv_freq, position_ids):
+        return tuple(rows(t) if callable(rows) else t[rows] for t in tables_fn(inv_freq, position_ids))
+
+    return tables
+
+
+@pytest.mark.parametrize(
+    "name, rows, n_tokens, first, step",
+    [
+        ("a_run_of_rows", slice(2, 6), 4, 2, 1),
+        ("every_other_row", slice(1, 9, 2), 4, 1, 2),
+        ("the_last_row", slice(9, 10), 1, 9, 1),
+        ("one_row_for_every_token", lambda t: t[4:5].expand(3, -1), 3, 4, 0),
+    ],
+)
+def test_tokens_reading_part_of_the_positions_read_them_evenly_spaced(name, rows, n_tokens, first, step) -> None:
+    """Tables cut after the trig function from tables over more positions (a draft's context rows of a table
+    over context and noise): the source is the positions input, read from `first` every `step`, and its
+    formula gives the cut tables' bits at the real inputs."""
+    inv_freq = angle_inputs()[0]
+    positions = torch.randint(0, 40000, (1, 10))
+    fn = rows_of(rope_tables(), rows)
+    graph_module, source = angle_source(fn, (inv_freq, positions), n_tokens=n_tokens)
+    assert not isinstance(source, str), source
+    assert placeholder_index(graph_module, source.positions) == 1
+    assert (source.first, source.step) == (first, step)
+    per_token = grouped_gemv.token_positions(positions, source.first, source.step, n_tokens)
+    angle = per_token.float()[:, None] * inv_freq.float()[torch.arange(ROTARY_DIM) % (ROTARY_DIM // 2)][None, :]
+    for trig, table in zip((torch.cos, torch.sin), fn(inv_freq, positions)):
+        assert torch.equal(table, (trig(angle) * source.scale).to(source.rounded_to))
+
+
+@pytest.mark.parametrize(
+    "name, rows, batch, reason",
+    [
+        ("rows_out_of_order", lambda t: torch.cat([t[5:6], t[2:3], t[7:8], t[0:1]]), 1, "not evenly spaced"),
+        ("positions_shared_by_a_batch", slice(0, 4), 2, "repeat in memory"),
+    ],
+)
+def test_tokens_reading_positions_out_of_step_keep_their_tables(name, rows, batch, reason) -> None:
+    inv_freq = angle_inputs()[0]
+    positions = torch.randint(0, 40000, (1, 10)).expand(batch, -1)
+    _, source = angle_source(rows_of(rope_tables(), rows), (inv_freq, positions), n_tokens=4)
+    assert isinstance(source, str) and reason in source, source
+
+
+def test_too_many_positions_to_replay_keep_their_tables(monkeypatch) -> None:
+    monkeypatch.setattr(rotary_angles, "MAX_GATHERED_POSITIONS", 8)
+    _, source = angle_source(rows_of(rope_tables(), slice(0, 4)), (angle_inputs()[0], torch.arange(10)[None]), n_tokens=4)
+    assert isinstance(source, str) and "too many to replay" in source, source

@@ -8,6 +8,7 @@ must stay out of the group and still match eager.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
@@ -23,7 +24,7 @@ import fx_fusion
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import spelling_corpus  # noqa: E402
-from spelling_corpus import CASES, NEGATIVE_CASES, NOT_YET, N_LAYERS  # noqa: E402
+from spelling_corpus import CASES, NEGATIVE_CASES, NOT_YET, N_LAYERS, Case  # noqa: E402
 
 FUSING = [c for c in CASES if c.name not in NOT_YET]
 PENDING = [c for c in CASES if c.name in NOT_YET]
@@ -135,13 +136,11 @@ ANGLE_CASES = [pytest.param(c, torch.float32, id=f"{c.name}-fp32") for c in FUSI
 ]
 
 
-@pytest.mark.parametrize("case, dtype", ANGLE_CASES)
-def test_spelling_through_the_k_epilogue_with_angles_in_the_launch_matches_eager(case, dtype, monkeypatch):
-    """Every spelling through the K-epilogue lowering, forced on CPU with `test_k_epilogue`'s stand-in launch
-    (it computes cos / sin from the positions and frequencies the lowering read back, so a wrong read-back
-    gives wrong numbers) and the angles allowed at any token count: eager's results; the tables of the
-    spellings in ANGLES_IN_LAUNCH (and of the deviating-layer cases, Hugging Face's rotary) are dropped, the
-    others keep theirs with a reason."""
+@pytest.fixture
+def k_epilogue_on_cpu(monkeypatch):
+    """The K-epilogue lowering on CPU with `test_k_epilogue`'s stand-in launch (it computes cos / sin from the
+    positions and frequencies the lowering read back, so a wrong read-back gives wrong numbers), the angles
+    allowed at any token count."""
     import test_k_epilogue
 
     from fx_fusion import op_lowering
@@ -150,17 +149,65 @@ def test_spelling_through_the_k_epilogue_with_angles_in_the_launch_matches_eager
     monkeypatch.setattr(op_lowering, "K_EPILOGUE_DEVICE_TYPES", frozenset({"cpu"}))
     monkeypatch.setattr(grouped_linear, "grouped_linear_k_epilogue_body", test_k_epilogue._stand_in_body)
     monkeypatch.setattr(grouped_gemv, "MAX_ANGLE_TOKENS", 10**6)
-    got, ref, fused_kv_pass = compile_and_run(case, dtype)
-    assert_matches_eager(got, ref, dtype)
+
+
+def epilogues_and_angles(fused_kv_pass) -> tuple[int, int, list[str]]:
+    """(grouped GEMMs with the K epilogue, those computing cos / sin themselves, why the others read tables)."""
     records = fused_kv_pass.records
     epilogues = sum(r.gemm_epilogues for r in records)
-    in_launch = sum(r.rotary_angles_in_kernel for r in records)
-    notes = [note for r in records for note in r.rotary_angle_notes]
     assert epilogues >= 1, [note for r in records for note in r.gemm_epilogue_notes]
+    notes = [note for r in records for note in r.rotary_angle_notes]
+    return epilogues, sum(r.rotary_angles_in_kernel for r in records), notes
+
+
+@pytest.mark.usefixtures("k_epilogue_on_cpu")
+@pytest.mark.parametrize("case, dtype", ANGLE_CASES)
+def test_spelling_through_the_k_epilogue_with_angles_in_the_launch_matches_eager(case, dtype):
+    """Every spelling through the K-epilogue lowering (`k_epilogue_on_cpu`): eager's results; the tables of
+    the spellings in ANGLES_IN_LAUNCH (and of the deviating-layer cases, Hugging Face's rotary) are dropped,
+    the others keep theirs with a reason."""
+    got, ref, fused_kv_pass = compile_and_run(case, dtype)
+    assert_matches_eager(got, ref, dtype)
+    epilogues, in_launch, notes = epilogues_and_angles(fused_kv_pass)
     if case.name in ANGLES_IN_LAUNCH or case in NEGATIVE_CASES:
         assert in_launch == epilogues and not notes, notes
     else:
         assert in_launch == 0 and len(notes) == epilogues, notes
+
+
+@pytest.mark.usefixtures("k_epilogue_on_cpu")
+@pytest.mark.parametrize("per_layer_noise", [False, True])
+def test_zlab_draft_of_one_sequence_computes_cos_sin_for_context_and_noise_rows(per_layer_noise):
+    """z-lab DFlash's draft for one sequence (2 context tokens, 2 noise tokens): both cut their rows from one
+    table over all four positions, and every launch, context and noise rows alike, computes its cos / sin
+    from the position ids (the noise rows' from the third on); eager's results."""
+    case = Case("zlab", "", functools.partial(spelling_corpus.build_zlab_dflash, per_layer_noise=per_layer_noise,
+                                              batch=1, tokens=2, q_len=2))  # fmt: skip
+    got, ref, fused_kv_pass = compile_and_run(case, torch.float32)
+    assert_matches_eager(got, ref, torch.float32)
+    epilogues, in_launch, notes = epilogues_and_angles(fused_kv_pass)
+    assert epilogues == (4 if per_layer_noise else 2) and in_launch == epilogues, notes
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_zlab_draft_of_one_sequence_on_cuda_computes_the_tables_bits():
+    """The same draft in bfloat16 on CUDA, through the real launch: its own cos / sin give K and V equal, bit
+    for bit, to those of the compile whose launches read the tables."""
+    module, inputs = spelling_corpus.build_zlab_dflash(torch.bfloat16, batch=1, tokens=2, q_len=2)
+    module, inputs = module.cuda(), tuple(t.cuda() for t in inputs)
+    outputs = {}
+    with torch.no_grad():
+        for in_kernel in (True, False):
+            torch._dynamo.reset()
+            fused_kv_pass = fx_fusion.FusedKVPass(rotary_angles_in_kernel=in_kernel)
+            compiled = torch.compile(module, options={"post_grad_custom_post_pass": fused_kv_pass})
+            outputs[in_kernel] = compiled(*inputs)
+            epilogues, in_launch, notes = epilogues_and_angles(fused_kv_pass)
+            assert in_launch == (epilogues if in_kernel else 0), notes
+        ref = module(*inputs)
+    assert_matches_eager(outputs[True], ref, torch.bfloat16)
+    for got, from_tables in zip(outputs[True], outputs[False]):
+        assert torch.equal(got, from_tables)
 
 
 def test_float32_weights_under_autocast_are_named_as_casts(fresh_compile):
