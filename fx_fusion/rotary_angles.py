@@ -383,7 +383,7 @@ def _gathered_positions(positions: torch.Tensor, got) -> Union[str, tuple[int, i
         return got
     flat = positions.reshape(-1)
     if torch.unique(flat).numel() != flat.numel():
-        return f"the tables' tokens read part of {flat.numel()} positions that repeat in memory (an expanded tensor)"
+        return f"the tables' tokens read part of {flat.numel()} positions that are not distinct (expanded, or rounded by their dtype)"
     indices = []
     for table in got:
         if table.dim() != 2 or table.dtype != torch.float32 or not torch.equal(table, table[:, :1].expand_as(table)):

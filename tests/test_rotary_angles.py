@@ -287,7 +287,7 @@ def test_tokens_reading_part_of_the_positions_read_them_evenly_spaced(name, rows
     "name, rows, batch, reason",
     [
         ("rows_out_of_order", lambda t: torch.cat([t[5:6], t[2:3], t[7:8], t[0:1]]), 1, "not evenly spaced"),
-        ("positions_shared_by_a_batch", slice(0, 4), 2, "repeat in memory"),
+        ("positions_shared_by_a_batch", slice(0, 4), 2, "not distinct"),
     ],
 )
 def test_tokens_reading_positions_out_of_step_keep_their_tables(name, rows, batch, reason) -> None:
