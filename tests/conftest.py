@@ -38,3 +38,40 @@ def triton_device(request, monkeypatch) -> str:
         return "cpu"
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     return "cuda"
+
+
+def _stand_in_k_epilogue_body(x, weights, biases, k_columns, *materialize_args, rotary_angles=None, **materialize_kwargs):
+    """The fused launch's contract in ATen ops: the grouped output, and materialize_k over the K heads that
+    `k_columns` names in it (so a wrong column mapping gives wrong numbers), with cos / sin computed from
+    `rotary_angles` when given (so wrong positions or frequencies give wrong numbers)."""
+    from fx_fusion.kernels import grouped_gemv, grouped_linear, ops
+
+    out = grouped_linear.grouped_linear_body(x, weights, biases)
+    k_proj = materialize_args[0]
+    if rotary_angles is not None:
+        inv_freq, positions, scale, rounded, first, step = rotary_angles
+        c = ops.CommonArgs(*ops._common_and_token_major(materialize_args, materialize_kwargs)[0])
+        freq = torch.arange(c.rotary_dim, device=x.device)
+        freq = freq // 2 if c.interleaved else freq % (c.rotary_dim // 2)
+        positions = grouped_gemv.token_positions(positions, first, step, k_proj.shape[0])
+        angle = positions.float()[:, None] * inv_freq.reshape(-1).float()[freq][None, :]
+        tables = [trig(angle) * scale for trig in (torch.cos, torch.sin)]
+        tables = [t.to(k_proj.dtype) if rounded else t for t in tables]
+        materialize_args = (*materialize_args[:4], *tables, *materialize_args[6:])
+    column, block_stride, head_stride = k_columns
+    if k_proj.dim() == 3:
+        strides = (out.stride(0), block_stride, 1)
+    else:
+        strides = (out.stride(0), block_stride, head_stride, 1)
+    heads = out.as_strided(k_proj.shape, strides, out.storage_offset() + column)
+    return out, ops.materialize_k_body(heads, *materialize_args[1:], **materialize_kwargs)
+
+
+@pytest.fixture
+def k_epilogue_on_cpu(monkeypatch):
+    """The K-epilogue lowering on CPU, the fused launch replaced by `_stand_in_k_epilogue_body`."""
+    from fx_fusion import op_lowering
+    from fx_fusion.kernels import grouped_linear
+
+    monkeypatch.setattr(op_lowering, "K_EPILOGUE_DEVICE_TYPES", frozenset({"cpu"}))
+    monkeypatch.setattr(grouped_linear, "grouped_linear_k_epilogue_body", _stand_in_k_epilogue_body)

@@ -466,50 +466,18 @@ def test_cpu_graphs_keep_the_separate_norm_rope_and_say_why() -> None:
 
 
 # --------------------------------------------------------------------------------------------------------
-# The lowering's graph surgery on CPU, with a stand-in body
+# The lowering's graph surgery on CPU, with conftest's stand-in body (`k_epilogue_on_cpu`)
 # --------------------------------------------------------------------------------------------------------
 
 
-def _stand_in_body(x, weights, biases, k_columns, *materialize_args, rotary_angles=None, **materialize_kwargs):
-    """The fused launch's contract in ATen ops: the grouped output, and materialize_k over the K heads that
-    `k_columns` names in it (so a wrong column mapping gives wrong numbers), with cos / sin computed from
-    `rotary_angles` when given (so wrong positions or frequencies give wrong numbers)."""
-    from fx_fusion.kernels import grouped_linear, ops
-
-    out = grouped_linear.grouped_linear_body(x, weights, biases)
-    k_proj = materialize_args[0]
-    if rotary_angles is not None:
-        inv_freq, positions, scale, rounded, first, step = rotary_angles
-        c = ops.CommonArgs(*ops._common_and_token_major(materialize_args, materialize_kwargs)[0])
-        freq = torch.arange(c.rotary_dim, device=x.device)
-        freq = freq // 2 if c.interleaved else freq % (c.rotary_dim // 2)
-        positions = grouped_gemv.token_positions(positions, first, step, k_proj.shape[0])
-        angle = positions.float()[:, None] * inv_freq.reshape(-1).float()[freq][None, :]
-        tables = [trig(angle) * scale for trig in (torch.cos, torch.sin)]
-        tables = [t.to(k_proj.dtype) if rounded else t for t in tables]
-        materialize_args = (*materialize_args[:4], *tables, *materialize_args[6:])
-    column, block_stride, head_stride = k_columns
-    if k_proj.dim() == 3:
-        strides = (out.stride(0), block_stride, 1)
-    else:
-        strides = (out.stride(0), block_stride, head_stride, 1)
-    heads = out.as_strided(k_proj.shape, strides, out.storage_offset() + column)
-    return out, ops.materialize_k_body(heads, *materialize_args[1:], **materialize_kwargs)
-
-
-@pytest.mark.usefixtures("fresh_compile")
+@pytest.mark.usefixtures("fresh_compile", "k_epilogue_on_cpu")
 @pytest.mark.parametrize("model", ["qwen3_draft", "llama_draft", "qwen3_gqa_decoder", "llama_mha_decoder"])
-def test_lowering_fuses_pairs_with_the_right_columns(model, monkeypatch) -> None:
-    """With the launch replaced by `_stand_in_body` on CPU, the lowering (hoisting the norm/RoPE inputs,
+def test_lowering_fuses_pairs_with_the_right_columns(model) -> None:
+    """With the launch replaced by conftest's stand-in on CPU, the lowering (hoisting the norm/RoPE inputs,
     replacing both calls, dropping K's views) gives eager's results: drafts of K and V, and decoders whose
     Q and K heads are blocks of one QKV output (strided 4-D K views, token-major outputs)."""
     import transformers
 
-    from fx_fusion import op_lowering
-    from fx_fusion.kernels import grouped_linear
-
-    monkeypatch.setattr(op_lowering, "K_EPILOGUE_DEVICE_TYPES", frozenset({"cpu"}))
-    monkeypatch.setattr(grouped_linear, "grouped_linear_k_epilogue_body", _stand_in_body)
     torch.manual_seed(0)
     if model.endswith("draft"):
         module = (drafts.qwen3_context_kv if model.startswith("qwen3") else drafts.llama_context_kv)(3)
@@ -536,7 +504,7 @@ def test_lowering_fuses_pairs_with_the_right_columns(model, monkeypatch) -> None
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.usefixtures("fresh_compile")
+@pytest.mark.usefixtures("fresh_compile", "k_epilogue_on_cpu")
 @pytest.mark.parametrize(
     "dtype, batch, tokens, shared_positions",
     [(torch.float32, 2, 2, False), (torch.float32, 2, 2, True), (torch.bfloat16, 1, 4, False), (torch.bfloat16, 1, 5, False)],
@@ -547,10 +515,7 @@ def test_lowering_computes_cos_sin_in_the_launch_and_drops_the_tables(dtype, bat
     tables; past it the launch reads the tables, and the record says why. Shared positions: one row of
     position ids expanded over the batch (stride 0)."""
     from fx_fusion import op_lowering
-    from fx_fusion.kernels import grouped_linear
 
-    monkeypatch.setattr(op_lowering, "K_EPILOGUE_DEVICE_TYPES", frozenset({"cpu"}))
-    monkeypatch.setattr(grouped_linear, "grouped_linear_k_epilogue_body", _stand_in_body)
     trig_counts = []
     lower = op_lowering.lower_fused_ops
 
@@ -582,18 +547,15 @@ def test_lowering_computes_cos_sin_in_the_launch_and_drops_the_tables(dtype, bat
         torch.testing.assert_close(g, r, rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.usefixtures("fresh_compile")
+@pytest.mark.usefixtures("fresh_compile", "k_epilogue_on_cpu")
 def test_a_failing_read_back_costs_the_angles_only(monkeypatch) -> None:
     """Should reading the tables back raise, the launch still carries the K norm/RoPE, reading the tables,
     and the record names the error."""
-    from fx_fusion import op_lowering, rotary_angles
-    from fx_fusion.kernels import grouped_linear
+    from fx_fusion import rotary_angles
 
     def broken(*args, **kwargs):
         raise RuntimeError("read-back broke")
 
-    monkeypatch.setattr(op_lowering, "K_EPILOGUE_DEVICE_TYPES", frozenset({"cpu"}))
-    monkeypatch.setattr(grouped_linear, "grouped_linear_k_epilogue_body", _stand_in_body)
     monkeypatch.setattr(rotary_angles, "find_angle_source", broken)
     module = drafts.qwen3_context_kv(2)
     inputs = drafts.example_inputs(module, seq_len=2)
@@ -608,15 +570,10 @@ def test_a_failing_read_back_costs_the_angles_only(monkeypatch) -> None:
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.usefixtures("fresh_compile")
-def test_lowering_leaves_symbolic_token_counts_to_the_separate_kernels(monkeypatch) -> None:
+@pytest.mark.usefixtures("fresh_compile", "k_epilogue_on_cpu")
+def test_lowering_leaves_symbolic_token_counts_to_the_separate_kernels() -> None:
     """With dynamic shapes the K columns have no fixed place in the grouped output's rows: the pair is
     lowered one by one (the note says why) and the results still match eager."""
-    from fx_fusion import op_lowering
-    from fx_fusion.kernels import grouped_linear
-
-    monkeypatch.setattr(op_lowering, "K_EPILOGUE_DEVICE_TYPES", frozenset({"cpu"}))
-    monkeypatch.setattr(grouped_linear, "grouped_linear_k_epilogue_body", _stand_in_body)
     module = drafts.qwen3_context_kv(3)
     records = []
     with torch.no_grad(), RecordSink.collect(records):

@@ -137,17 +137,12 @@ ANGLE_CASES = [pytest.param(c, torch.float32, id=f"{c.name}-fp32") for c in FUSI
 
 
 @pytest.fixture
-def k_epilogue_on_cpu(monkeypatch):
-    """The K-epilogue lowering on CPU with `test_k_epilogue`'s stand-in launch (it computes cos / sin from the
-    positions and frequencies the lowering read back, so a wrong read-back gives wrong numbers), the angles
-    allowed at any token count."""
-    import test_k_epilogue
+def angles_at_any_token_count(k_epilogue_on_cpu, monkeypatch):
+    """conftest's `k_epilogue_on_cpu` (its stand-in launch computes cos / sin from the positions and
+    frequencies the lowering read back, so a wrong read-back gives wrong numbers), the angles allowed at any
+    token count."""
+    from fx_fusion.kernels import grouped_gemv
 
-    from fx_fusion import op_lowering
-    from fx_fusion.kernels import grouped_gemv, grouped_linear
-
-    monkeypatch.setattr(op_lowering, "K_EPILOGUE_DEVICE_TYPES", frozenset({"cpu"}))
-    monkeypatch.setattr(grouped_linear, "grouped_linear_k_epilogue_body", test_k_epilogue._stand_in_body)
     monkeypatch.setattr(grouped_gemv, "MAX_ANGLE_TOKENS", 10**6)
 
 
@@ -160,10 +155,10 @@ def epilogues_and_angles(fused_kv_pass) -> tuple[int, int, list[str]]:
     return epilogues, sum(r.rotary_angles_in_kernel for r in records), notes
 
 
-@pytest.mark.usefixtures("k_epilogue_on_cpu")
+@pytest.mark.usefixtures("angles_at_any_token_count")
 @pytest.mark.parametrize("case, dtype", ANGLE_CASES)
 def test_spelling_through_the_k_epilogue_with_angles_in_the_launch_matches_eager(case, dtype):
-    """Every spelling through the K-epilogue lowering (`k_epilogue_on_cpu`): eager's results; the tables of
+    """Every spelling through the K-epilogue lowering (`angles_at_any_token_count`): eager's results; the tables of
     the spellings in ANGLES_IN_LAUNCH (and of the deviating-layer cases, Hugging Face's rotary) are dropped,
     the others keep theirs with a reason."""
     got, ref, fused_kv_pass = compile_and_run(case, dtype)
@@ -175,7 +170,7 @@ def test_spelling_through_the_k_epilogue_with_angles_in_the_launch_matches_eager
         assert in_launch == 0 and len(notes) == epilogues, notes
 
 
-@pytest.mark.usefixtures("k_epilogue_on_cpu")
+@pytest.mark.usefixtures("angles_at_any_token_count")
 @pytest.mark.parametrize("per_layer_noise", [False, True])
 def test_zlab_draft_of_one_sequence_computes_cos_sin_for_context_and_noise_rows(per_layer_noise):
     """z-lab DFlash's draft for one sequence (2 context tokens, 2 noise tokens): both cut their rows from one
