@@ -1573,6 +1573,223 @@ def build_addcmul_mean_unsqueeze(dtype):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# 29. torchtune: RoPE on [B, T, H, D] in float32 from a [max_pos, D/2, 2] (cos, sin) cache gathered at
+# input_pos, pairs via reshape(..., -1, 2) and stack(...).flatten(3); the KV heads expanded to the query
+# heads (view to [B, T, H_kv, 1, D], expand, reshape), transposed, and only then the K norm (torchtune's
+# RMSNorm: float32 x * rsqrt(mean(x^2) + eps), type_as, * scale), so after the RoPE: the RoPE fuses alone.
+# pytorch/torchtune torchtune/modules/attention.py (MultiHeadAttention.forward),
+# torchtune/modules/position_embeddings.py (RotaryPositionalEmbeddings), torchtune/modules/rms_norm.py
+
+
+class TorchtuneRMSNorm(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.eps = EPS
+        self.scale = nn.Parameter(torch.randn(dim) * 0.2 + 1)
+
+    def forward(self, x):
+        x_fp32 = x.float()
+        return (x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.scale
+
+
+class TorchtuneContext(nn.Module):
+    def __init__(self, num_heads: int = 2 * KV_HEADS):
+        super().__init__()
+        self.num_heads = num_heads
+        self.k_proj = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False) for _ in range(N_LAYERS))
+        self.v_proj = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False) for _ in range(N_LAYERS))
+        self.k_norm = nn.ModuleList(TorchtuneRMSNorm(HEAD_DIM) for _ in range(N_LAYERS))
+        idx_theta = torch.einsum("i, j -> ij", torch.arange(MAX_POS).float(), _inv_freq(HEAD_DIM)).float()
+        self.register_buffer("cache", torch.stack([torch.cos(idx_theta), torch.sin(idx_theta)], dim=-1), persistent=False)
+
+    def _rope(self, x, input_pos):
+        rope_cache = self.cache[input_pos]
+        xshaped = x.float().reshape(*x.shape[:-1], -1, 2)
+        rope_cache = rope_cache.view(-1, xshaped.size(1), 1, xshaped.size(3), 2)
+        x_out = torch.stack(
+            [
+                xshaped[..., 0] * rope_cache[..., 0] - xshaped[..., 1] * rope_cache[..., 1],
+                xshaped[..., 1] * rope_cache[..., 0] + xshaped[..., 0] * rope_cache[..., 1],
+            ],
+            -1,
+        )
+        return x_out.flatten(3).type_as(x)
+
+    def forward(self, y, input_pos):
+        b, s_y, _ = y.shape
+        q_per_kv = self.num_heads // KV_HEADS
+        outs = []
+        for k_proj, v_proj, k_norm in zip(self.k_proj, self.v_proj, self.k_norm):
+            k, v = k_proj(y), v_proj(y)
+            k = self._rope(k.view(b, s_y, -1, HEAD_DIM), input_pos)
+            k = k.view(b, s_y, KV_HEADS, 1, HEAD_DIM).expand(b, s_y, KV_HEADS, q_per_kv, HEAD_DIM)
+            v = v.view(b, s_y, KV_HEADS, 1, HEAD_DIM).expand(b, s_y, KV_HEADS, q_per_kv, HEAD_DIM)
+            k = k.reshape(b, s_y, -1, HEAD_DIM).transpose(1, 2)
+            v = v.reshape(b, s_y, -1, HEAD_DIM).transpose(1, 2)
+            outs += [k_norm(k), v]
+        return tuple(outs)
+
+
+def build_torchtune(dtype):
+    torch.manual_seed(0)
+    return _finish(TorchtuneContext(), dtype, _hidden(), _positions()[None].expand(BATCH, -1))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 30. Cohere: interleaved pairs with rotate_half as stack([-x[..., 1::2], x[..., ::2]], -1).flatten(-2),
+# the tables' halves duplicated by repeat_interleave(freqs, 2, dim=-1), heads cut by unflatten, K rotated
+# in float32 and cast back. No K norm (Cohere's optional one is a LayerNorm: `neg_layer_norm`).
+# huggingface/transformers src/transformers/models/cohere/modeling_cohere.py (CohereRotaryEmbedding,
+# rotate_half, apply_rotary_pos_emb)
+
+
+def _cohere_rotate_half(x):
+    return torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
+
+
+class CohereContext(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.k_proj = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False) for _ in range(N_LAYERS))
+        self.v_proj = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False) for _ in range(N_LAYERS))
+        self.register_buffer("inv_freq", _inv_freq(HEAD_DIM), persistent=False)
+
+    def forward(self, x, position_ids):
+        inv_freq_expanded = self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1)
+        freqs = (inv_freq_expanded @ position_ids[:, None, :].float()).transpose(1, 2)
+        emb = torch.repeat_interleave(freqs, 2, dim=-1)
+        cos, sin = emb.cos().to(x.dtype).unsqueeze(1), emb.sin().to(x.dtype).unsqueeze(1)
+        outs = []
+        for k_proj, v_proj in zip(self.k_proj, self.v_proj):
+            k = k_proj(x).unflatten(-1, (-1, HEAD_DIM)).transpose(1, 2)
+            v = v_proj(x).unflatten(-1, (-1, HEAD_DIM)).transpose(1, 2)
+            k_float = k.float()
+            outs += [((k_float * cos) + (_cohere_rotate_half(k_float) * sin)).to(k.dtype), v]
+        return tuple(outs)
+
+
+def build_cohere(dtype):
+    torch.manual_seed(0)
+    return _finish(CohereContext(), dtype, _hidden(), _positions()[None].expand(BATCH, -1))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 31. lucidrains' rotary-embedding-torch: angles einsum("..., f -> ... f", t, freqs), duplicated per pair
+# (einops repeat '... n -> ... (n r)', r = 2, here repeat_interleave), rotate_half as reshape to pairs,
+# unbind, stack((-x2, x1)) and reshape back (its einops rearranges, here reshapes), applied in float32 with
+# an explicit `* scale` of 1.0 on both terms; the K norm before it is torch's nn.RMSNorm.
+# lucidrains/rotary-embedding-torch rotary_embedding_torch/rotary_embedding_torch.py (rotate_half,
+# apply_rotary_emb, RotaryEmbedding.forward)
+
+
+def _lucidrains_rotate_half(x):
+    x1, x2 = x.reshape(*x.shape[:-1], -1, 2).unbind(dim=-1)
+    x = torch.stack((-x2, x1), dim=-1)
+    return x.reshape(*x.shape[:-2], -1)
+
+
+class LucidrainsContext(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.k_proj = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False) for _ in range(N_LAYERS))
+        self.v_proj = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False) for _ in range(N_LAYERS))
+        self.k_norm = nn.ModuleList(nn.RMSNorm(HEAD_DIM, eps=EPS) for _ in range(N_LAYERS))
+        self.register_buffer("freqs", _inv_freq(HEAD_DIM), persistent=False)
+        _randomize_norm_weights(self)
+
+    def forward(self, x, t):
+        b, n, _ = x.shape
+        freqs = torch.einsum("..., f -> ... f", t.type(self.freqs.dtype), self.freqs).repeat_interleave(2, dim=-1)
+        scale = 1.0
+        outs = []
+        for k_proj, v_proj, k_norm in zip(self.k_proj, self.v_proj, self.k_norm):
+            k = k_norm(k_proj(x).reshape(b, n, KV_HEADS, HEAD_DIM).permute(0, 2, 1, 3))
+            v = v_proj(x).reshape(b, n, KV_HEADS, HEAD_DIM).permute(0, 2, 1, 3)
+            dtype, k = k.dtype, k.float()
+            k = (k * freqs.cos() * scale) + (_lucidrains_rotate_half(k) * freqs.sin() * scale)
+            outs += [k.type(dtype), v]
+        return tuple(outs)
+
+
+def build_lucidrains(dtype):
+    torch.manual_seed(0)
+    return _finish(LucidrainsContext(), dtype, _hidden(), _positions())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 32. Megatron-LM's position interpolation: the positions multiplied by 1 / seq_len_interpolation_factor
+# before the outer product with inv_freq (torch.outer), tables cat(freqs, freqs), neox rotation by chunk;
+# its per-head K norm as torch's F.rms_norm.
+# NVIDIA/Megatron-LM megatron/core/models/common/embeddings/rotary_pos_embedding.py (RotaryEmbedding with
+# seq_len_interpolation_factor)
+
+
+class InterpolatedPositionsContext(nn.Module):
+    def __init__(self, seq_len_interpolation_factor: float = 4.0):
+        super().__init__()
+        self.seq_len_interpolation_factor = seq_len_interpolation_factor
+        self.k_proj = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False) for _ in range(N_LAYERS))
+        self.v_proj = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False) for _ in range(N_LAYERS))
+        self.k_norm_weight = nn.ParameterList(nn.Parameter(torch.randn(HEAD_DIM) * 0.2 + 1) for _ in range(N_LAYERS))
+        self.register_buffer("inv_freq", _inv_freq(HEAD_DIM), persistent=False)
+
+    def forward(self, x, positions):
+        b, s, _ = x.shape
+        seq = positions.float() * (1 / self.seq_len_interpolation_factor)
+        freqs = torch.outer(seq, self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        outs = []
+        for k_proj, v_proj, weight in zip(self.k_proj, self.v_proj, self.k_norm_weight):
+            k = F.rms_norm(k_proj(x).view(b, s, KV_HEADS, HEAD_DIM), (HEAD_DIM,), weight, EPS).transpose(1, 2)
+            k1, k2 = torch.chunk(k, 2, dim=-1)
+            outs += [k * cos + torch.cat((-k2, k1), dim=-1) * sin, v_proj(x).view(b, s, KV_HEADS, HEAD_DIM).transpose(1, 2)]
+        return tuple(outs)
+
+
+def build_interpolated_positions(dtype):
+    torch.manual_seed(0)
+    return _finish(InterpolatedPositionsContext(), dtype, _hidden(), _positions())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 33. Adversarial, no public source: the same math where a look-alike would go wrong. "shifted": the last
+# layer's tables come from positions + 1 (per-layer tables, one group); "tied": the last layer re-uses the
+# first layer's k_proj and v_proj modules (one weight read by two members of the group).
+
+
+class AdversarialContext(nn.Module):
+    def __init__(self, variant: str):
+        super().__init__()
+        self.variant = variant
+        self.k_proj = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False) for _ in range(N_LAYERS))
+        self.v_proj = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False) for _ in range(N_LAYERS))
+        self.k_norm = nn.ModuleList(nn.RMSNorm(HEAD_DIM, eps=EPS) for _ in range(N_LAYERS))
+        if variant == "tied":
+            self.k_proj[-1], self.v_proj[-1] = self.k_proj[0], self.v_proj[0]
+        self.register_buffer("inv_freq", _inv_freq(HEAD_DIM), persistent=False)
+        _randomize_norm_weights(self)
+
+    def forward(self, x, positions):
+        b, s, _ = x.shape
+        outs = []
+        for i, (k_proj, v_proj, k_norm) in enumerate(zip(self.k_proj, self.v_proj, self.k_norm)):
+            shifted = self.variant == "shifted" and i == N_LAYERS - 1
+            freqs = torch.outer((positions + 1 if shifted else positions).float(), self.inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            k = k_norm(k_proj(x).view(b, s, KV_HEADS, HEAD_DIM)).transpose(1, 2)
+            k1, k2 = k.chunk(2, dim=-1)
+            k = k * emb.cos().to(k.dtype) + torch.cat((-k2, k1), dim=-1) * emb.sin().to(k.dtype)
+            outs += [k, v_proj(x).view(b, s, KV_HEADS, HEAD_DIM).transpose(1, 2)]
+        return tuple(outs)
+
+
+def build_adversarial(dtype, variant):
+    torch.manual_seed(0)
+    return _finish(AdversarialContext(variant), dtype, _hidden(), _positions())
+
+
+# ----------------------------------------------------------------------------------------------------------
 # The corpus
 
 _p = functools.partial
@@ -1736,6 +1953,25 @@ CASES: list[Case] = [
         "apple/OpenELM modeling_openelm.py, its RMSNorm re-implemented with x.float() twice",
         _p(build_openelm, double_upcast=True),
     ),
+    Case(
+        "torchtune_gqa_norm_after_rope",
+        "pytorch/torchtune torchtune/modules/attention.py, position_embeddings.py, rms_norm.py "
+        "(KV heads expanded, K norm after the RoPE: the RoPE fuses alone)",
+        _p(build_torchtune),
+    ),
+    Case("cohere_interleaved_repeat_interleave", "huggingface/transformers src/transformers/models/cohere/modeling_cohere.py", _p(build_cohere)),
+    Case(
+        "lucidrains_rotary_embedding_torch",
+        "lucidrains/rotary-embedding-torch rotary_embedding_torch/rotary_embedding_torch.py (einops as reshapes)",
+        _p(build_lucidrains),
+    ),
+    Case(
+        "megatron_position_interpolation",
+        "NVIDIA/Megatron-LM megatron/core/models/common/embeddings/rotary_pos_embedding.py (seq_len_interpolation_factor)",
+        _p(build_interpolated_positions),
+    ),
+    Case("adversarial_last_layer_shifted_positions", "no public source: adversarial", _p(build_adversarial, variant="shifted")),
+    Case("adversarial_tied_projections", "no public source: adversarial", _p(build_adversarial, variant="tied")),
 ]
 
 

@@ -130,7 +130,9 @@ def test_deviating_layer_not_grouped_and_matches_eager(case, dtype):
 
 # The spellings whose cos / sin tables read back to positions and frequencies (rotary_angles.find_angle_source),
 # so that the fused launch computes cos / sin itself; every other spelling keeps its tables and says why.
-ANGLES_IN_LAUNCH = {"hf_qwen3", "hf_qwen3_bias", "gemma3_one_plus_weight", "falcon_h1_unit_key_multiplier"}
+ANGLES_IN_LAUNCH = {
+    "hf_qwen3", "hf_qwen3_bias", "gemma3_one_plus_weight", "falcon_h1_unit_key_multiplier", "cohere_interleaved_repeat_interleave",
+}
 ANGLE_CASES = [pytest.param(c, torch.float32, id=f"{c.name}-fp32") for c in FUSING + NEGATIVE_CASES] + [
     pytest.param(c, torch.bfloat16, id=f"{c.name}-bf16") for c in FUSING if c.name in ANGLES_IN_LAUNCH
 ]
