@@ -28,7 +28,11 @@ from torch import nn
 from transformers import Gemma3TextConfig, Qwen3Config
 from transformers.models.gemma3 import modeling_gemma3
 from transformers.models.gemma3n import modeling_gemma3n
+from transformers.models.glm import modeling_glm
+from transformers.models.gpt_neox import modeling_gpt_neox
 from transformers.models.hunyuan_v1_dense import modeling_hunyuan_v1_dense
+from transformers.models.llama4 import modeling_llama4
+from transformers.models.phi3 import modeling_phi3
 from transformers.models.qwen3 import modeling_qwen3
 
 N_LAYERS = 3
@@ -50,7 +54,7 @@ class Case:
     source: str  # "owner/repo path/to/file.py (what)" -- where the spelling comes from
     build: Callable[[torch.dtype], tuple[nn.Module, tuple]]
     expect: str = "fuse"  # "fuse", or why the math differs (negative cases)
-    offending_layer: Optional[int] = None  # negative cases: the layer that must stay out of any group
+    offending_layer: Optional[int] = None  # negative cases: the layer that must stay out of any group (None: all)
     reason: Optional[str] = None  # negative cases the pass rejects: a regex its reason must match
 
     def __repr__(self) -> str:
@@ -1790,6 +1794,232 @@ def build_adversarial(dtype, variant):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# 34. GPT-NeoX / Pythia: query_key_value laid out per head as [q | k | v] (`view(..., -1, 3 * head_size)`,
+# transposed, `chunk(3, dim=-1)`), a bias, and a partial rotary (rotary_pct 0.25) whose pass-through dims
+# are joined back by cat; Hugging Face's own apply_rotary_pos_emb.
+# huggingface/transformers src/transformers/models/gpt_neox/modeling_gpt_neox.py (GPTNeoXAttention.forward,
+# apply_rotary_pos_emb)
+
+
+def _hf_tables(inv_freq, position_ids, dtype):
+    """Hugging Face's rotary embedding forward: cat(freqs, freqs) over the rotary dims, [B, T, rotary_dim]."""
+    inv_freq_expanded = inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1)
+    freqs = (inv_freq_expanded @ position_ids[:, None, :].float()).transpose(1, 2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class GPTNeoXContext(nn.Module):
+    def __init__(self, rotary_pct: float = 0.25):
+        super().__init__()
+        self.query_key_value = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * 3 * HEAD_DIM) for _ in range(N_LAYERS))
+        self.register_buffer("inv_freq", _inv_freq(int(HEAD_DIM * rotary_pct)), persistent=False)
+
+    def forward(self, x, position_ids):
+        cos, sin = _hf_tables(self.inv_freq, position_ids, x.dtype)
+        outs = []
+        for query_key_value in self.query_key_value:
+            qkv = query_key_value(x).view(*x.shape[:-1], -1, 3 * HEAD_DIM).transpose(1, 2)
+            _, key_states, value_states = qkv.chunk(3, dim=-1)
+            _, key_states = modeling_gpt_neox.apply_rotary_pos_emb(key_states, key_states, cos, sin)
+            outs += [key_states, value_states]
+        return tuple(outs)
+
+
+def build_gpt_neox(dtype):
+    torch.manual_seed(0)
+    return _finish(GPTNeoXContext(), dtype, _hidden(), _positions()[None].expand(BATCH, -1))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 35. Phi-3 / Phi-4-mini: qkv_proj cut by plain slices at query_pos and query_pos + kv_heads * head_dim,
+# a partial rotary (partial_rotary_factor 0.75) through Hugging Face's apply_rotary_pos_emb.
+# huggingface/transformers src/transformers/models/phi3/modeling_phi3.py (Phi3Attention.forward,
+# apply_rotary_pos_emb)
+
+
+class Phi3Context(nn.Module):
+    def __init__(self, q_heads: int = 2 * KV_HEADS, partial_rotary_factor: float = 0.75):
+        super().__init__()
+        self.q_heads = q_heads
+        width = (q_heads + 2 * KV_HEADS) * HEAD_DIM
+        self.qkv_proj = nn.ModuleList(nn.Linear(HIDDEN, width, bias=False) for _ in range(N_LAYERS))
+        self.register_buffer("inv_freq", _inv_freq(int(HEAD_DIM * partial_rotary_factor)), persistent=False)
+
+    def forward(self, x, position_ids):
+        cos, sin = _hf_tables(self.inv_freq, position_ids, x.dtype)
+        hidden_shape = (*x.shape[:-1], -1, HEAD_DIM)
+        query_pos = self.q_heads * HEAD_DIM
+        outs = []
+        for qkv_proj in self.qkv_proj:
+            qkv = qkv_proj(x)
+            key_states = qkv[..., query_pos : query_pos + KV_HEADS * HEAD_DIM].view(hidden_shape).transpose(1, 2)
+            value_states = qkv[..., query_pos + KV_HEADS * HEAD_DIM :].view(hidden_shape).transpose(1, 2)
+            _, key_states = modeling_phi3.apply_rotary_pos_emb(key_states, key_states, cos, sin)
+            outs += [key_states, value_states]
+        return tuple(outs)
+
+
+def build_phi3(dtype):
+    torch.manual_seed(0)
+    return _finish(Phi3Context(), dtype, _hidden(), _positions()[None].expand(BATCH, -1))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 36. GLM-4 (Hugging Face's Glm): the first half of cos/sin repeat_interleave'd into GPT-J pairs over half
+# the head (partial_rotary_factor 0.5), rotate_half as stack((-x[..., 1::2], x[..., 0::2])).flatten(-2),
+# the other half passed through by cat; biased K and V projections.
+# huggingface/transformers src/transformers/models/glm/modeling_glm.py (GlmAttention.forward,
+# apply_rotary_pos_emb, rotate_half)
+
+
+class GlmContext(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.k_proj = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM) for _ in range(N_LAYERS))
+        self.v_proj = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM) for _ in range(N_LAYERS))
+        self.register_buffer("inv_freq", _inv_freq(HEAD_DIM // 2), persistent=False)
+
+    def forward(self, x, position_ids):
+        cos, sin = _hf_tables(self.inv_freq, position_ids, x.dtype)
+        hidden_shape = (*x.shape[:-1], -1, HEAD_DIM)
+        outs = []
+        for k_proj, v_proj in zip(self.k_proj, self.v_proj):
+            key_states = k_proj(x).view(hidden_shape).transpose(1, 2)
+            _, key_states = modeling_glm.apply_rotary_pos_emb(key_states, key_states, cos, sin)
+            outs += [key_states, v_proj(x).view(hidden_shape).transpose(1, 2)]
+        return tuple(outs)
+
+
+def build_glm(dtype):
+    torch.manual_seed(0)
+    return _finish(GlmContext(), dtype, _hidden(), _positions()[None].expand(BATCH, -1))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 37. Qwen2-VL's multimodal RoPE: positions [3, B, T] (temporal, height, width), tables over each, then
+# `mrope_section * 2` cut of cos/sin whose i-th piece comes from table i % 3, joined by cat. The three
+# position rows differ here, as for image tokens, so the tables are no function of one position.
+# huggingface/transformers src/transformers/models/qwen2_vl/modeling_qwen2_vl.py (Qwen2VLRotaryEmbedding,
+# apply_multimodal_rotary_pos_emb, 4.x); vllm-project/vllm vllm/model_executor/layers/rotary_embedding/mrope.py
+
+
+class MultimodalRopeContext(nn.Module):
+    def __init__(self, mrope_section=(4, 6, 6)):
+        super().__init__()
+        self.mrope_section = list(mrope_section)
+        self.k_proj = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM) for _ in range(N_LAYERS))
+        self.v_proj = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM) for _ in range(N_LAYERS))
+        self.register_buffer("inv_freq", _inv_freq(HEAD_DIM), persistent=False)
+
+    def forward(self, x, position_ids):
+        inv_freq_expanded = self.inv_freq[None, None, :, None].float().expand(3, position_ids.shape[1], -1, 1)
+        freqs = (inv_freq_expanded @ position_ids[:, :, None, :].float()).transpose(2, 3)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        sections = self.mrope_section * 2
+        cos = torch.cat([m[i % 3] for i, m in enumerate(cos.split(sections, dim=-1))], dim=-1).unsqueeze(1)
+        sin = torch.cat([m[i % 3] for i, m in enumerate(sin.split(sections, dim=-1))], dim=-1).unsqueeze(1)
+        hidden_shape = (*x.shape[:-1], -1, HEAD_DIM)
+        outs = []
+        for k_proj, v_proj in zip(self.k_proj, self.v_proj):
+            key_states = k_proj(x).view(hidden_shape).transpose(1, 2)
+            key_states = (key_states * cos) + (modeling_qwen3.rotate_half(key_states) * sin)
+            outs += [key_states, v_proj(x).view(hidden_shape).transpose(1, 2)]
+        return tuple(outs)
+
+
+def build_multimodal_rope(dtype):
+    torch.manual_seed(0)
+    rows = torch.stack([_positions(), _positions(offset=7), 2 * _positions(offset=1)])  # t, h, w differ
+    return _finish(MultimodalRopeContext(), dtype, _hidden(), rows[:, None].expand(3, BATCH, -1))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 38. Llama 4: RoPE by complex multiplication with freqs_cis = polar(1, freqs) (Hugging Face's
+# apply_rotary_emb), then a weightless RMSNorm of K in float32 AFTER the RoPE (the RoPE fuses alone, the
+# norm stays after the fused op). "nope": the last layer skips the RoPE (`no_rope_layers`) and must stay out
+# of the group. Layers as `self.layers` so that the negative case can name the last one.
+# huggingface/transformers src/transformers/models/llama4/modeling_llama4.py (Llama4TextAttention.forward,
+# apply_rotary_emb, Llama4TextRotaryEmbedding, Llama4TextWeightlessRMSNorm / Llama4TextL2Norm)
+
+
+class Llama4Layer(nn.Module):
+    def __init__(self, use_rope: bool):
+        super().__init__()
+        self.use_rope = use_rope
+        self.k_proj = nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False)
+        self.v_proj = nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False)
+
+    def forward(self, x, freqs_cis):
+        hidden_shape = (*x.shape[:-1], -1, HEAD_DIM)
+        key_states, value_states = self.k_proj(x).view(hidden_shape), self.v_proj(x).view(hidden_shape)
+        if self.use_rope:
+            _, key_states = modeling_llama4.apply_rotary_emb(key_states, key_states, freqs_cis)
+        k = key_states.float()
+        key_states = (k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + EPS)).type_as(key_states)
+        return key_states.transpose(1, 2), value_states.transpose(1, 2)
+
+
+class Llama4Context(nn.Module):
+    def __init__(self, nope_last: bool = False):
+        super().__init__()
+        self.layers = nn.ModuleList(Llama4Layer(use_rope=not (nope_last and i == N_LAYERS - 1)) for i in range(N_LAYERS))
+        self.register_buffer("inv_freq", _inv_freq(HEAD_DIM), persistent=False)
+
+    def forward(self, x, position_ids):
+        inv_freq_expanded = self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1)
+        freqs = (inv_freq_expanded @ position_ids[:, None, :].float()).transpose(1, 2)
+        freqs_cis = torch.polar(torch.ones_like(freqs), freqs)
+        return tuple(t for layer in self.layers for t in layer(x, freqs_cis))
+
+
+def build_llama4(dtype, nope_last=False):
+    torch.manual_seed(0)
+    return _finish(Llama4Context(nope_last), dtype, _hidden(), _positions()[None].expand(BATCH, -1))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 39. DBRX's clip_qkv: the fused Wqkv output clamped in place (`qkv.clamp_(min=-clip, max=clip)`) before
+# it is cut into q, k, v. K is then no linear function of x: no layer may be fused (the fused op has no
+# clamp), and the compile must still give eager's results. Every layer deviates (`offending_layer=None`).
+# huggingface/transformers src/transformers/models/dbrx/modeling_dbrx.py (DbrxAttention.forward)
+
+
+class DbrxLayer(nn.Module):
+    def __init__(self, clip_qkv: float):
+        super().__init__()
+        self.clip_qkv = clip_qkv
+        self.Wqkv = nn.Linear(HIDDEN, (2 * KV_HEADS + 2 * KV_HEADS) * HEAD_DIM, bias=False)
+
+    def forward(self, x, cos, sin):
+        qkv = self.Wqkv(x)
+        qkv.clamp_(min=-self.clip_qkv, max=self.clip_qkv)
+        width = KV_HEADS * HEAD_DIM
+        _, key_states, value_states = qkv.split([2 * width, width, width], dim=2)
+        hidden_shape = (*x.shape[:-1], -1, HEAD_DIM)
+        key_states = key_states.view(hidden_shape).transpose(1, 2)
+        _, key_states = modeling_qwen3.apply_rotary_pos_emb(key_states, key_states, cos, sin)
+        return key_states, value_states.view(hidden_shape).transpose(1, 2)
+
+
+class DbrxContext(nn.Module):
+    def __init__(self, clip_qkv: float = 0.3):  # well inside the projections' spread, so the clamp shows
+        super().__init__()
+        self.layers = nn.ModuleList(DbrxLayer(clip_qkv) for _ in range(N_LAYERS))
+        self.register_buffer("inv_freq", _inv_freq(HEAD_DIM), persistent=False)
+
+    def forward(self, x, position_ids):
+        cos, sin = _hf_tables(self.inv_freq, position_ids, x.dtype)
+        return tuple(t for layer in self.layers for t in layer(x, cos, sin))
+
+
+def build_dbrx(dtype):
+    torch.manual_seed(0)
+    return _finish(DbrxContext(), dtype, _hidden(), _positions()[None].expand(BATCH, -1))
+
+
+# ----------------------------------------------------------------------------------------------------------
 # The corpus
 
 _p = functools.partial
@@ -1811,6 +2041,7 @@ _MEGATRON = (
 )
 _GEMMA3N = "huggingface/transformers src/transformers/models/gemma3n/modeling_gemma3n.py"
 _FALCON = "huggingface/transformers src/transformers/models/falcon/modeling_falcon.py"
+_HF_MODELS = "huggingface/transformers src/transformers/models/"
 
 CASES: list[Case] = [
     Case("hf_qwen3", _HF, _p(build_hf_qwen3)),
@@ -1972,6 +2203,19 @@ CASES: list[Case] = [
     ),
     Case("adversarial_last_layer_shifted_positions", "no public source: adversarial", _p(build_adversarial, variant="shifted")),
     Case("adversarial_tied_projections", "no public source: adversarial", _p(build_adversarial, variant="tied")),
+    Case("gpt_neox_per_head_qkv_chunk_partial", _HF_MODELS + "gpt_neox/modeling_gpt_neox.py", _p(build_gpt_neox)),
+    Case("phi3_sliced_qkv_partial", _HF_MODELS + "phi3/modeling_phi3.py", _p(build_phi3)),
+    Case("glm_partial_interleaved_repeat_interleave", _HF_MODELS + "glm/modeling_glm.py", _p(build_glm)),
+    Case(
+        "qwen2_vl_multimodal_rope_sections",
+        _HF_MODELS + "qwen2_vl/modeling_qwen2_vl.py (apply_multimodal_rotary_pos_emb, 4.x)",
+        _p(build_multimodal_rope),
+    ),
+    Case(
+        "llama4_complex_rope_weightless_norm_after",
+        _HF_MODELS + "llama4/modeling_llama4.py (the K norm after the RoPE: the RoPE fuses alone)",
+        _p(build_llama4),
+    ),
 ]
 
 
@@ -1994,6 +2238,10 @@ NEGATIVE_CASES: list[Case] = [
     _negative("neg_channel_shuffled_x", "channel_shuffled_x", "reads x[..., perm]", "reads a different input"),
     _negative("neg_k_multiplier", "k_multiplier", "K * 0.5 before RoPE, Falcon-H1's key_multiplier", "K scaled before its RoPE",
               r"multiplied by a constant \(0\.5\) before its RoPE"),
+    Case("llama4_no_rope_last_layer", _HF_MODELS + "llama4/modeling_llama4.py (last layer: no_rope_layers)",
+         _p(build_llama4, nope_last=True), expect="the last layer has no RoPE", offending_layer=N_LAYERS - 1),
+    Case("dbrx_clip_qkv", _HF_MODELS + "dbrx/modeling_dbrx.py (Wqkv clamped before the cut)", _p(build_dbrx),
+         expect="K is clamped: no linear function of x", reason="no rotary embedding"),
 ]
 
 # The supported math in spellings the pass does not fuse yet, and the reason it reports (a regex). They
