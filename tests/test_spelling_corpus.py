@@ -43,6 +43,11 @@ def compile_and_run(case, dtype, device="cpu"):
     module, inputs = module.to(device), tuple(t.to(device) for t in inputs)
     fused_kv_pass = fx_fusion.FusedKVPass()
     with torch.no_grad():
+        # The reference is eager's second call: in a fresh process the first call of Hugging Face's rotary on
+        # CPU (torch 2.13, two threads) can give the cos of its second sequence's 600 positions off by up to
+        # 1.5e-4 (4 processes of 30, none of 30 on one thread; the second call stays within float32's 1.4e-5
+        # of float64's), and a test may be the first in its process.
+        module(*inputs)
         ref = module(*inputs)
         compiled = torch.compile(module, options={"post_grad_custom_post_pass": fused_kv_pass})
         got = compiled(*inputs)
@@ -76,16 +81,49 @@ def describe(fused_kv_pass) -> str:
     return "; ".join(parts)
 
 
+# Spellings that round K to its dtype right after the RoPE and widen it again for a norm after the RoPE (Llama
+# 4's weightless norm): where Inductor folds that round trip away (torch 2.11 does, as it folds AMP's casts),
+# the RoPE's float32 result reaches the norm unrounded, which no fused op gives, so the pass must refuse with
+# this reason instead.
+ROUND_TRIP_AFTER_ROPE = {"llama4_complex_rope_weightless_norm_after": r"K output is torch\.float32, the projection"}
+
+
+@functools.cache
+def inductor_keeps_round_trips(dtype: torch.dtype, device: str) -> bool:
+    """Whether the post-grad graph that the pass sees still rounds a float32 value to `dtype` before
+    widening it again."""
+    casts = []
+
+    def record_casts(graph: torch.fx.Graph) -> None:
+        casts.extend(n.args[1] for n in graph.find_nodes(op="call_function", target=torch.ops.prims.convert_element_type.default))
+
+    with torch.no_grad():
+        round_trip = torch.compile(lambda t: (t * 2).to(dtype).float() * 3, options={"post_grad_custom_post_pass": record_casts})
+        round_trip(torch.ones(4, device=device))
+    return dtype in casts
+
+
+def assert_fused(case, fused_kv_pass, dtype, device) -> None:
+    """All N_LAYERS layers in one group, or the round trip's reason where Inductor folds it."""
+    groups, rejected = groups_and_rejections(fused_kv_pass)
+    if any(g.n_layers >= N_LAYERS for g in groups):
+        return
+    pattern = ROUND_TRIP_AFTER_ROPE.get(case.name)
+    if pattern and dtype != torch.float32 and not inductor_keeps_round_trips(dtype, device):
+        assert any(re.search(pattern, r.reason) for r in rejected), describe(fused_kv_pass)
+        return
+    raise AssertionError(
+        f"{case.name} ({case.source}): expected all {N_LAYERS} layers in one fused group; {describe(fused_kv_pass)}"
+    )
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("case", FUSING, ids=[c.name for c in FUSING])
 def test_spelling_fuses_and_matches_eager(case, dtype):
     got, ref, fused_kv_pass = compile_and_run(case, dtype)
     assert_matches_eager(got, ref, dtype)
     assert fused_kv_pass.records, "the pass did not run"
-    groups, _ = groups_and_rejections(fused_kv_pass)
-    assert any(g.n_layers >= N_LAYERS for g in groups), (
-        f"{case.name} ({case.source}): expected all {N_LAYERS} layers in one fused group; {describe(fused_kv_pass)}"
-    )
+    assert_fused(case, fused_kv_pass, dtype, "cpu")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -94,8 +132,7 @@ def test_spelling_fuses_and_matches_eager_on_cuda(case):
     """Each spelling in bfloat16 on CUDA, where the fused work runs as our Triton kernels."""
     got, ref, fused_kv_pass = compile_and_run(case, torch.bfloat16, "cuda")
     assert_matches_eager(got, ref, torch.bfloat16)
-    groups, _ = groups_and_rejections(fused_kv_pass)
-    assert any(g.n_layers >= N_LAYERS for g in groups), f"{case.name}: {describe(fused_kv_pass)}"
+    assert_fused(case, fused_kv_pass, torch.bfloat16, "cuda")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
