@@ -1,51 +1,111 @@
-"""Per-kernel GPU time of the fx_fusion-compiled module, plain calls and CUDA-graph replays (GPU).
+"""Per-kernel GPU timeline of one CUDA-graph replay of each form, L2 emptied by reading before each call (GPU).
 
-    python benchmarks/kernel_breakdown.py [--workload qwen3-8b-dflash] [--seq-len 8192]
+    python benchmarks/kernel_breakdown.py [--workloads qwen3-8b-dflash,llama3-8b-ctx] [--seq-lens 1,32]
+        [--forms fxf,sglang,inductor] [--calls 30]
 
-Prints do_bench medians of both forms in alternating rounds (so clock drift shows up as such) and, for
-each form, torch.profiler's table of the GPU kernels of 10 calls: which kernel takes the time.
+Forms (each captured into a CUDA graph by hand, as `bench_module.py`'s *_graph columns):
+    fxf        torch.compile(m, backend="fx_fusion")
+    sglang     HandFusedContextKV(m, rope="cache"): one GEMM over weights stacked at load time, then the op
+    inductor   torch.compile(m)
+
+For each form: the event-timed median of `bench_module.Timer` (the `--l2-flush read` loop), then, from
+torch.profiler's CUDA trace of `--calls` calls each after the reading flush, the median of
+- each kernel's duration (kernels named in launch order within a call),
+- the gap from the flush's end to the call's first kernel (graph launch latency seen by the GPU),
+- the gaps between the call's kernels, and its span (first kernel start to last kernel end).
+So a difference between two forms reads as kernel time, launch latency or gaps.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import sys
+from pathlib import Path
 
 import torch
-from triton.testing import do_bench
 
-import fx_fusion.backend  # noqa: F401  (registers the backend when no entry point did)
-from fx_fusion import cuda_graphs
-from fx_fusion.drafts import build_workload, example_inputs
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_module import Timer  # noqa: E402
+
+import fx_fusion.backend  # noqa: E402,F401  (registers the backend when no entry point did)
+from fx_fusion import cuda_graphs  # noqa: E402
+from fx_fusion.drafts import HandFusedContextKV, build_workload, example_inputs  # noqa: E402
+
+FLUSH_KERNEL = "reduce_kernel"  # torch.sum's CUDA kernel, the reading flush
+
+
+def calls_from_trace(prof) -> list[list[tuple[str, float, float]]]:
+    """The trace's kernels split into calls: each call a list of (name, start_us, end_us) after one flush,
+    with the flush itself first."""
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0),
+        key=lambda e: e.time_range.start,
+    )
+    calls: list[list[tuple[str, float, float]]] = []
+    for event in kernels:
+        item = (event.name, float(event.time_range.start), float(event.time_range.end))
+        if FLUSH_KERNEL in event.name:
+            calls.append([item])
+        elif calls:
+            calls[-1].append(item)
+    return [c for c in calls if len(c) > 1]
+
+
+def summarize(calls: list[list[tuple[str, float, float]]]) -> list[str]:
+    """Median kernel durations, launch gap, inner gaps and span over calls of one shape."""
+    shapes = [tuple(name for name, _, _ in call[1:]) for call in calls]
+    common = max(set(shapes), key=shapes.count)
+    calls = [c for c, s in zip(calls, shapes) if s == common]
+    lines = [f"  {len(calls)} calls of {len(common)} kernels"]
+    launch = statistics.median(call[1][1] - call[0][2] for call in calls)
+    lines.append(f"  flush end -> first kernel: {launch:7.2f} us")
+    for i, name in enumerate(common):
+        dur = statistics.median(call[1 + i][2] - call[1 + i][1] for call in calls)
+        line = f"  {dur:7.2f} us  {name[:90]}"
+        if i:
+            gap = statistics.median(call[1 + i][1] - call[i][2] for call in calls)
+            line += f"   (gap before {gap:.2f})"
+        lines.append(line)
+    span = statistics.median(call[-1][2] - call[1][1] for call in calls)
+    lines.append(f"  span {span:.2f} us; launch + span {launch + span:.2f} us")
+    return lines
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", default="qwen3-8b-dflash")
-    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--workloads", default="qwen3-8b-dflash,llama3-8b-ctx")
+    parser.add_argument("--seq-lens", default="1,32")
+    parser.add_argument("--forms", default="fxf,sglang")
+    parser.add_argument("--calls", type=int, default=30)
     args = parser.parse_args(argv)
-    model = build_workload(args.workload, device="cuda")
-    x, pos = example_inputs(model, seq_len=args.seq_len)
-    with torch.no_grad():
-        compiled = torch.compile(model, backend="fx_fusion")
-        for _ in range(3):
-            compiled(x, pos)
-
-        def plain():
-            return compiled(x, pos)
-
-        graphed = cuda_graphs.capture(plain)
-        for round_ in range(3):
-            plain_us, graphed_us = do_bench(plain, rep=200) * 1e3, do_bench(graphed, rep=200) * 1e3
-            print(f"round {round_}: plain {plain_us:.1f} us, graphed {graphed_us:.1f} us", flush=True)
-        for name, fn in (("plain", plain), ("graphed", graphed)):
-            fn()
-            torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(10):
-                    fn()
-                torch.cuda.synchronize()
-            print(f"--- {name}: GPU kernels of 10 calls")
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
+    timer = Timer(torch.device("cuda"), warmup=25, rep=100, l2_flush="read")
+    flush_buffer = torch.ones(Timer.FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
+    sink = torch.empty((), dtype=torch.float32, device="cuda")
+    for workload in args.workloads.split(","):
+        model = build_workload(workload, device="cuda")
+        hand = HandFusedContextKV(model, rope="cache")
+        for seq_len in (int(t) for t in args.seq_lens.split(",")):
+            x, pos = example_inputs(model, seq_len=seq_len)
+            with torch.no_grad():
+                for form in args.forms.split(","):
+                    torch._dynamo.reset()
+                    if form == "sglang":
+                        target = hand
+                    else:
+                        target = torch.compile(model, backend="fx_fusion" if form == "fxf" else "inductor")
+                    for _ in range(3):
+                        target(x, pos)
+                    graphed = cuda_graphs.capture(lambda: target(x, pos))
+                    us = timer(graphed)
+                    torch.cuda.synchronize()
+                    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                        for _ in range(args.calls):
+                            torch.sum(flush_buffer, dim=0, out=sink)
+                            graphed()
+                        torch.cuda.synchronize()
+                    print(f"=== {workload} T={seq_len} {form}: event-timed median {us:.2f} us", flush=True)
+                    print("\n".join(summarize(calls_from_trace(prof))), flush=True)
     return 0
 
 

@@ -780,6 +780,7 @@ def _rotation_after(
         except rotary_action.NotRotary as reason:
             reasons.append(str(reason))
     _refuse_scaled_rotation(points[-1], same_value)
+    _refuse_clamped_rotation(points, same_value)
     looks_rotated = any(is_call(u, aten.mul.Tensor, aten.slice.Tensor) for p in points for u in p.users)
     # the most telling reason: one that found a rotary-like region; with none, nothing K-like follows (a
     # linear whose output is normalised and never rotated: an o_proj before a post-attention norm)
@@ -789,27 +790,38 @@ def _rotation_after(
     raise NotKBranch(reasons[0])
 
 
-def _rotated_downstream(start: torch.fx.Node, same_value: Optional[ValueKeys], depth: int = 12) -> bool:
-    """Whether a rotary embedding is applied within `depth` ops after `start`, to a value with start's last
-    dim: the K norm a branch failed to match is then worth reporting (not an MLP's gelu or a router's
-    softmax, which also start like a norm)."""
-    width = static_shape(start)[-1] if isinstance(val(start), torch.Tensor) else None
+def _rotations_downstream(
+    start: torch.fx.Node, same_value: Optional[ValueKeys], depth: int, width: Optional[int], through=None
+):
+    """For each value within `depth` ops after `start` (of last dim `width`, when given; reached through
+    ops of `through` only, when given) that is multiplied or sliced: None when a rotary embedding is applied
+    to it, else why not (`rotary_action.match_rotation`)."""
     seen, frontier = {start}, [start]
     for _ in range(depth):
+        frontier = [n for n in frontier if n is start or through is None or is_call(n, *through)]
         frontier = list(dict.fromkeys(u for n in frontier for u in n.users if u not in seen and u.op == "call_function"))
         seen.update(frontier)
         for node in frontier:
             value = val(node)
-            if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[-1] != width:
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                continue
+            if width is not None and value.shape[-1] != width:
                 continue
             if not any(is_call(u, aten.mul.Tensor, aten.slice.Tensor) for u in node.users):
                 continue
             try:
                 rotary_action.match_rotation(node, same_value)
-                return True
-            except rotary_action.NotRotary:
-                continue
-    return False
+                yield None
+            except rotary_action.NotRotary as reason:
+                yield str(reason)
+
+
+def _rotated_downstream(start: torch.fx.Node, same_value: Optional[ValueKeys], depth: int = 12) -> bool:
+    """Whether a rotary embedding is applied within `depth` ops after `start`, to a value with start's last
+    dim: the K norm a branch failed to match is then worth reporting (not an MLP's gelu or a router's
+    softmax, which also start like a norm)."""
+    width = static_shape(start)[-1] if isinstance(val(start), torch.Tensor) else None
+    return any(reason is None for reason in _rotations_downstream(start, same_value, depth, width))
 
 
 def _refuse_scaled_rotation(end: torch.fx.Node, same_value: Optional[ValueKeys]) -> None:
@@ -827,6 +839,28 @@ def _refuse_scaled_rotation(end: torch.fx.Node, same_value: Optional[ValueKeys])
     except rotary_action.NotRotary:
         return
     raise NoMatch(f"K is multiplied by a constant ({factor:g}) before its RoPE; the fused op has no K scale")
+
+
+CLAMPS = (aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default, aten.clamp_max.default, aten.hardtanh.default)
+# what lies between a clamped projection and its K: more clamps, casts (a 16-bit clamp runs in float32),
+# cuts and re-layouts
+_CLAMP_TO_K = (
+    *CLAMPS, *LAYOUT_OPS, *CASTS, aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default,
+    operator.getitem,
+)
+
+
+def _refuse_clamped_rotation(points: list[torch.fx.Node], same_value: Optional[ValueKeys]) -> None:
+    """NoMatch when K is clamped and then rotated (DBRX's and OLMo's `clip_qkv`): say so, rather than that
+    nothing is rotated. The op has no clamp, and K is then no linear function of x."""
+    for point in points:
+        for user in [u for p in (point, *(u for u in point.users if is_call(u, *CASTS))) for u in p.users]:
+            if not is_call(user, *CLAMPS):
+                continue
+            # rotated, or rotary-like (a region of K * cos and rotated K * sin the matcher then refused)
+            reasons = _rotations_downstream(user, same_value, 8, None, _CLAMP_TO_K)
+            if any(r != rotary_action.NO_ROTATION for r in reasons):
+                raise NoMatch("K is clamped (clip_qkv) between its projection and its RoPE; the fused op has no clamp")
 
 
 def match_k_branch(projection: Projection, source: "BranchSource", same_value: Optional[ValueKeys] = None) -> KBranch:

@@ -32,6 +32,7 @@ from transformers.models.glm import modeling_glm
 from transformers.models.gpt_neox import modeling_gpt_neox
 from transformers.models.hunyuan_v1_dense import modeling_hunyuan_v1_dense
 from transformers.models.llama4 import modeling_llama4
+from transformers.models.olmo import modeling_olmo
 from transformers.models.phi3 import modeling_phi3
 from transformers.models.qwen3 import modeling_qwen3
 
@@ -2019,6 +2020,38 @@ def build_dbrx(dtype):
     return _finish(DbrxContext(), dtype, _hidden(), _positions()[None].expand(BATCH, -1))
 
 
+# 40. OLMo's clip_qkv: each of q_proj, k_proj and v_proj clamped in place before the head view, with the
+# real OlmoAttention modules. As DBRX's: no layer may be fused, and the report says K is clamped.
+# huggingface/transformers src/transformers/models/olmo/modeling_olmo.py (OlmoAttention.forward)
+
+
+class OlmoClipContext(nn.Module):
+    def __init__(self, clip_qkv: float = 0.3):
+        super().__init__()
+        config = modeling_olmo.OlmoConfig(**_HF_SIZES, clip_qkv=clip_qkv)
+        self.layers = nn.ModuleList(modeling_olmo.OlmoAttention(config, i) for i in range(N_LAYERS))
+        self.rotary_emb = modeling_olmo.OlmoRotaryEmbedding(config)
+        self.clip_qkv = clip_qkv
+
+    def forward(self, hidden_states, position_ids):
+        cos, sin = self.rotary_emb(hidden_states, position_ids)
+        hidden_shape = (*hidden_states.shape[:-1], -1, HEAD_DIM)
+        outs = []
+        for attn in self.layers:
+            q, k, v = attn.q_proj(hidden_states), attn.k_proj(hidden_states), attn.v_proj(hidden_states)
+            for states in (q, k, v):
+                states.clamp_(min=-self.clip_qkv, max=self.clip_qkv)
+            q, k, v = (t.view(hidden_shape).transpose(1, 2) for t in (q, k, v))
+            _, k = modeling_olmo.apply_rotary_pos_emb(q, k, cos, sin)
+            outs += [k, v]
+        return tuple(outs)
+
+
+def build_olmo_clip(dtype):
+    torch.manual_seed(0)
+    return _finish(OlmoClipContext(), dtype, _hidden(), _positions()[None].expand(BATCH, -1))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The corpus
 
@@ -2241,7 +2274,9 @@ NEGATIVE_CASES: list[Case] = [
     Case("llama4_no_rope_last_layer", _HF_MODELS + "llama4/modeling_llama4.py (last layer: no_rope_layers)",
          _p(build_llama4, nope_last=True), expect="the last layer has no RoPE", offending_layer=N_LAYERS - 1),
     Case("dbrx_clip_qkv", _HF_MODELS + "dbrx/modeling_dbrx.py (Wqkv clamped before the cut)", _p(build_dbrx),
-         expect="K is clamped: no linear function of x", reason="no rotary embedding"),
+         expect="K is clamped: no linear function of x", reason=r"K is clamped \(clip_qkv\) between its projection and its RoPE"),
+    Case("olmo_clip_qkv", _HF_MODELS + "olmo/modeling_olmo.py (q, k and v clamped in place)", _p(build_olmo_clip),
+         expect="K is clamped: no linear function of x", reason=r"K is clamped \(clip_qkv\) between its projection and its RoPE"),
 ]
 
 # The supported math in spellings the pass does not fuse yet, and the reason it reports (a regex). They
