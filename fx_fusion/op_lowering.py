@@ -254,10 +254,11 @@ def _k_epilogue_body(args, kwargs):
 def _angle_source(c, n_tokens: int) -> "rotary_angles.AngleSource | str":
     """Where the launch can compute materialize_k's cos / sin from (`rotary_angles.find_angle_source`), or
     why it reads them as tables."""
-    from fx_fusion.kernels.grouped_gemv import MAX_ANGLE_TOKENS
+    from fx_fusion.kernels.grouped_gemv import max_angle_tokens
 
-    if n_tokens > MAX_ANGLE_TOKENS:  # reading the tables is faster (and replays would grow with the tokens)
-        return f"{n_tokens} tokens: reading tables is faster past {MAX_ANGLE_TOKENS}"
+    limit = max_angle_tokens(c.rotary_dim, c.head_dim, c.interleaved)
+    if n_tokens > limit:  # reading the tables is faster (and replays would grow with the tokens)
+        return f"{n_tokens} tokens: reading tables is faster past {limit}"
     if c.positions is not None or not isinstance(c.cos, torch.fx.Node) or not isinstance(c.sin, torch.fx.Node):
         return "the rotary tables are a cos/sin cache read at positions"
     try:

@@ -59,7 +59,13 @@ MAX_TOKENS = 128  # above this, one cuBLAS GEMM per weight is faster for a few w
 MAX_TOKENS_MANY_WEIGHTS = 256  # ... and above this even for MANY_WEIGHTS or more (measured on an H200)
 MANY_WEIGHTS = 6
 MAX_EPILOGUE_TOKENS = 32  # above this, the K norm/RoPE as a kernel of its own is faster (measured on an H200)
-MAX_ANGLE_TOKENS = 4  # above this, the epilogue reads cos/sin tables rather than computing them (measured)
+# The epilogue computes RoPE's cos/sin itself up to MAX_ANGLE_TOKENS tokens where it takes one head-wide row
+# per token, up to MAX_ANGLE_TILE_TOKENS where a tile of frequencies serves (`angle_tile_serves`); past
+# them reading the graph's tables measured faster. A tile from ANGLE_TILE_MIN_TOKENS tokens (level with rows
+# at 2 and 4 tokens, 0.7-1.3 us faster than the tables at 16 and 32: benchmarks/RESULTS.md).
+MAX_ANGLE_TOKENS = 4
+MAX_ANGLE_TILE_TOKENS = MAX_EPILOGUE_TOKENS
+ANGLE_TILE_MIN_TOKENS = 2
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_GRID_COLUMN_BLOCKS = 65535  # CUDA's limit on a grid's second axis, which counts column blocks
 
@@ -142,6 +148,7 @@ def _grouped_gemv_kernel(
     HAS_EPS_TENSOR: tl.constexpr,
     USE_POSITIONS: tl.constexpr,
     ANGLES: tl.constexpr,
+    ANGLE_TILE: tl.constexpr,
     ROUND_ANGLES: tl.constexpr,
     NORM_WEIGHT_OFFSET: tl.constexpr,
     NORM_WEIGHT_IN_FLOAT32: tl.constexpr,
@@ -164,6 +171,8 @@ def _grouped_gemv_kernel(
     ANGLES: cos and sin are computed, not read: cos_ptr holds inv_freq [ROTARY_DIM // 2] (stride
     stride_cos_dim), positions_ptr the tokens' positions; cos = cos(float32(position) * inv_freq[j]) *
     angle_scale, rounded to k's dtype when ROUND_ANGLES (sin alike), as the graph's own tables are.
+    ANGLE_TILE (with ANGLES; interleaved pairs, or rotate-half over the whole head): one trig per token
+    and frequency over the tile, rather than one head-wide row per token in turn.
     """
     pid_tok = tl.program_id(0) // SPLIT_K  # token blocks (then splits) vary fastest: programs running
     split = tl.program_id(0) % SPLIT_K  # together share a weight tile
@@ -278,7 +287,26 @@ def _grouped_gemv_kernel(
                     x_partner = (x_partner * inv_rms).to(normed_dtype).to(tl.float32) * w_partner[None, :]
                     x_partner = x_partner.to(weighted_dtype).to(tl.float32)
                 rot_mask = tok_mask[:, None] & rotary[None, :]
-                if ANGLES:  # the tables' math, one row per token of the tile (rows past N keep cos 1, sin 0);
+                if ANGLES and ANGLE_TILE:  # the tables' math once per frequency: a [BLOCK_T, BLOCK_N / 2] tile,
+                    # each frequency's column then given to both dims of its pair (rows past N are masked)
+                    half = tl.arange(0, BLOCK_N // 2)
+                    half_freq = tl.load(cos_ptr + half * stride_cos_dim, mask=half < ROTARY_DIM // 2, other=0.0)
+                    token_pos = tl.load(
+                        positions_ptr + tokens.to(tl.int64) * stride_positions, mask=tok_mask, other=0
+                    ).to(tl.float32)
+                    angle = token_pos[:, None] * half_freq.to(tl.float32)[None, :]
+                    half_cos = tl.cos(angle) * angle_scale
+                    half_sin = tl.sin(angle) * angle_scale
+                    if ROUND_ANGLES:
+                        half_cos = half_cos.to(kv_dtype).to(tl.float32)
+                        half_sin = half_sin.to(kv_dtype).to(tl.float32)
+                    if INTERLEAVED:  # [BLOCK_T, BLOCK_N / 2, 2] -> dims 2j and 2j + 1 hold frequency j
+                        cos = tl.reshape(tl.join(half_cos, half_cos), (BLOCK_T, BLOCK_N))
+                        sin = tl.reshape(tl.join(half_sin, half_sin), (BLOCK_T, BLOCK_N))
+                    else:  # [BLOCK_T, 2, BLOCK_N / 2] -> dims j and BLOCK_N / 2 + j hold frequency j
+                        cos = tl.reshape(tl.permute(tl.join(half_cos, half_cos), (0, 2, 1)), (BLOCK_T, BLOCK_N))
+                        sin = tl.reshape(tl.permute(tl.join(half_sin, half_sin), (0, 2, 1)), (BLOCK_T, BLOCK_N))
+                elif ANGLES:  # the tables' math, one row per token of the tile (rows past N keep cos 1, sin 0);
                     # tl.cos / tl.sin are what Inductor's code calls for aten.cos / aten.sin
                     inv_freq = tl.load(cos_ptr + freq * stride_cos_dim, mask=rotary, other=0.0).to(tl.float32)
                     cos = tl.full((BLOCK_T, BLOCK_N), 1.0, tl.float32)
@@ -497,6 +525,17 @@ class KEpilogue(NamedTuple):
     angles: RotaryAngles | None = None
 
 
+def angle_tile_serves(rotary_dim: int, head_dim: int, interleaved: bool) -> bool:
+    """Whether the epilogue can compute its angles as one tile of frequencies: with interleaved pairs,
+    or rotate-half over the whole head (a partial rotate-half keeps one head-wide row per token)."""
+    return interleaved or rotary_dim == head_dim
+
+
+def max_angle_tokens(rotary_dim: int, head_dim: int, interleaved: bool) -> int:
+    """Up to how many tokens the epilogue computes cos/sin rather than reading tables."""
+    return MAX_ANGLE_TILE_TOKENS if angle_tile_serves(rotary_dim, head_dim, interleaved) else MAX_ANGLE_TOKENS
+
+
 def _angles_unsupported_reason(angles: RotaryAngles, n_tokens: int, rotary_dim: int, device: torch.device) -> str | None:
     if angles.inv_freq.dim() != 1 or angles.inv_freq.shape[0] != rotary_dim // 2:
         return f"inv_freq must be [{rotary_dim // 2}], got {tuple(angles.inv_freq.shape)}"
@@ -642,7 +681,8 @@ def _epilogue_arguments(epilogue: KEpilogue | None, column_shift: int) -> tuple[
         args += (None, None, None, 0, *(0,) * 7, 0.0)
         return args, dict(
             K_EPILOGUE=False, ROTARY_DIM=2, INTERLEAVED=False, HAS_NORM=False, NUM_NORM_WEIGHTS=1,
-            HAS_EPS_TENSOR=False, USE_POSITIONS=False, ANGLES=False, ROUND_ANGLES=False, NORM_WEIGHT_OFFSET=0.0,
+            HAS_EPS_TENSOR=False, USE_POSITIONS=False, ANGLES=False, ANGLE_TILE=False, ROUND_ANGLES=False,
+            NORM_WEIGHT_OFFSET=0.0,
             NORM_WEIGHT_IN_FLOAT32=False, NORM_ROUND_BEFORE_ROPE=True,
         )  # fmt: skip
     e = epilogue
@@ -673,6 +713,10 @@ def _epilogue_arguments(epilogue: KEpilogue | None, column_shift: int) -> tuple[
         K_EPILOGUE=True, ROTARY_DIM=e.rotary_dim, INTERLEAVED=e.interleaved, HAS_NORM=bool(e.norm_weights),
         NUM_NORM_WEIGHTS=1 if table else max(1, len(norms)), HAS_EPS_TENSOR=e.eps is not None, USE_POSITIONS=positions,
         ANGLES=angles is not None, ROUND_ANGLES=angles is not None and angles.rounded,
+        ANGLE_TILE=(
+            angles is not None and e.k_out.shape[1] >= ANGLE_TILE_MIN_TOKENS
+            and angle_tile_serves(e.rotary_dim, e.k_out.shape[-1], e.interleaved)
+        ),
         NORM_WEIGHT_OFFSET=float(e.norm_weight_offset), NORM_WEIGHT_IN_FLOAT32=e.norm_weight_in_float32,
         NORM_ROUND_BEFORE_ROPE=e.norm_round_before_rope,
     )  # fmt: skip

@@ -162,7 +162,7 @@ def main() -> int:
         )
     for name in ("one_token", "partial_token_tile", "two_launches", "split_k", "qkv_groups", "token_major",
                  "positions_interleaved", "partial_rotary", "per_layer_tables", "bias", "angles",
-                 "angles_interleaved_partial"):  # fmt: skip
+                 "angles_interleaved_partial", "angles_one_token", "angles_partial_rotate_half"):  # fmt: skip
         checks[f"k-epilogue-{name}"] = functools.partial(check_k_epilogue, EPILOGUE_CASES[name], "cuda")
     # real widths: the heuristic's unsplit 4-stage launches (5 layers, up to 32 tokens), 64-token tiles,
     # K splits (one layer)

@@ -203,6 +203,9 @@ CASES = {
     "angles_interleaved_partial": Case(tables="angles", interleaved=True, rotary_dim=8),
     "angles_float32": Case(tables="angles", dtype=torch.float32),
     "angles_float16": Case(tables="angles", dtype=torch.float16),
+    "angles_one_token": Case(tables="angles", tokens=1),  # one head-wide row per token
+    "angles_partial_rotate_half": Case(tables="angles", rotary_dim=8),  # likewise: no tile serves
+    "angles_partial_token_tile": Case(tables="angles", tokens=17),
     "eps_tensor": Case(eps_tensor=True),
     "weight_in_float32": Case(weight_in_float32=True),
     "float32_through_rope": Case(weight_in_float32=True, round_before_rope=False),
@@ -256,7 +259,7 @@ def test_property_interpreter(
 @pytest.mark.parametrize(
     "layers, tokens, tables",
     [(5, 1, "shared"), (5, 16, "shared"), (5, 32, "shared"), (5, 100, "shared"), (1, 1, "shared"), (4, 16, "shared"),
-     (5, 17, "angles"), (1, 1, "angles")],
+     (5, 17, "angles"), (5, 32, "angles"), (1, 1, "angles"), (1, 16, "angles")],
 )  # fmt: skip
 def test_epilogue_at_real_widths(layers: int, tokens: int, tables: str, monkeypatch) -> None:
     """Qwen3-8B-like widths on CUDA: layers of 8 heads x 128 over hidden 4096, the launch heuristic's own
@@ -379,7 +382,9 @@ def test_compiled_draft_runs_one_kernel_for_its_context_kv(family, n_layers, tok
 @pytest.mark.usefixtures("fresh_compile")
 @pytest.mark.gpu
 @CUDA
-@pytest.mark.parametrize("family, batch, tokens", [("qwen3", 1, 1), ("qwen3", 2, 2), ("llama", 1, 4)])
+@pytest.mark.parametrize(
+    "family, batch, tokens", [("qwen3", 1, 1), ("qwen3", 2, 2), ("llama", 1, 4), ("llama", 2, 8), ("qwen3", 1, 32)]
+)
 def test_compiled_draft_computes_cos_sin_with_the_tables_bits(family, batch, tokens) -> None:
     """The launch's own cos / sin are the bits of Inductor's tables: K and V equal, bit for bit, those of
     the same compile reading the tables (rotary_angles_in_kernel=False), and Inductor's code computes no
@@ -506,16 +511,22 @@ def test_lowering_fuses_pairs_with_the_right_columns(model) -> None:
 
 @pytest.mark.usefixtures("fresh_compile", "k_epilogue_on_cpu")
 @pytest.mark.parametrize(
-    "dtype, batch, tokens, shared_positions",
-    [(torch.float32, 2, 2, False), (torch.float32, 2, 2, True), (torch.bfloat16, 1, 4, False), (torch.bfloat16, 1, 5, False)],
-)
-def test_lowering_computes_cos_sin_in_the_launch_and_drops_the_tables(dtype, batch, tokens, shared_positions, monkeypatch) -> None:
-    """Hugging Face's rotary tables read back to position_ids and inv_freq: up to MAX_ANGLE_TOKENS tokens
-    the launch gets those (the stand-in computes cos / sin from them) and the graph no longer computes the
-    tables; past it the launch reads the tables, and the record says why. Shared positions: one row of
-    position ids expanded over the batch (stride 0)."""
+    "dtype, batch, tokens, shared_positions, angle_limit",
+    [(torch.float32, 2, 2, False, None), (torch.float32, 2, 2, True, None), (torch.bfloat16, 1, 4, False, None),
+     (torch.bfloat16, 1, 9, False, None), (torch.bfloat16, 1, 5, False, 4)],
+)  # fmt: skip
+def test_lowering_computes_cos_sin_in_the_launch_and_drops_the_tables(
+    dtype, batch, tokens, shared_positions, angle_limit, monkeypatch
+) -> None:
+    """Hugging Face's rotary tables read back to position_ids and inv_freq: up to `max_angle_tokens` tokens
+    (MAX_ANGLE_TILE_TOKENS for Qwen3's whole-head rotate-half; `angle_limit` sets it) the launch gets those
+    (the stand-in computes cos / sin from them) and the graph no longer computes the tables; past it the
+    launch reads the tables, and the record says why. Shared positions: one row of position ids expanded
+    over the batch (stride 0)."""
     from fx_fusion import op_lowering
 
+    if angle_limit is not None:
+        monkeypatch.setattr(grouped_gemv, "MAX_ANGLE_TILE_TOKENS", angle_limit)
     trig_counts = []
     lower = op_lowering.lower_fused_ops
 
@@ -534,7 +545,7 @@ def test_lowering_computes_cos_sin_in_the_launch_and_drops_the_tables(dtype, bat
         ref = module(*inputs)
         got = torch.compile(module, backend="fx_fusion")(*inputs)
     (record,) = records
-    if batch * tokens <= grouped_gemv.MAX_ANGLE_TOKENS:
+    if batch * tokens <= (angle_limit or grouped_gemv.MAX_ANGLE_TILE_TOKENS):
         assert record.gemm_epilogues == record.rotary_angles_in_kernel == 1, record.rotary_angle_notes
         assert "computing their own cos/sin" in record.summary()
         assert trig_counts == [2]  # the stand-in's cos and sin; the graph's own went with the tables

@@ -190,6 +190,7 @@ def angles_at_any_token_count(k_epilogue_on_cpu, monkeypatch):
     from fx_fusion.kernels import grouped_gemv
 
     monkeypatch.setattr(grouped_gemv, "MAX_ANGLE_TOKENS", 10**6)
+    monkeypatch.setattr(grouped_gemv, "MAX_ANGLE_TILE_TOKENS", 10**6)
 
 
 def epilogues_and_angles(fused_kv_pass) -> tuple[int, int, list[str]]:
