@@ -118,6 +118,14 @@ class Timer:
         self.rep = rep
         self.l2_flush = l2_flush
         self._flush_buffer = None
+        self._flush_sink = None
+
+    def flush(self) -> None:
+        """Empty L2 by reading FLUSH_BYTES (one torch.sum; the "read" flush)."""
+        if self._flush_buffer is None:
+            self._flush_buffer = torch.ones(self.FLUSH_BYTES // 4, dtype=torch.float32, device=self.device)
+            self._flush_sink = torch.empty((), dtype=torch.float32, device=self.device)
+        torch.sum(self._flush_buffer, dim=0, out=self._flush_sink)
 
     def __call__(self, fn: Callable[[], Any]) -> float:
         """Median microseconds per call."""
@@ -141,13 +149,7 @@ class Timer:
 
     def _read_flushed(self, fn: Callable[[], Any]) -> float:
         """do_bench's loop (calls for about `rep` ms, each between two events) with a reading flush."""
-        if self._flush_buffer is None:
-            self._flush_buffer = torch.ones(self.FLUSH_BYTES // 4, dtype=torch.float32, device=self.device)
-        flush_sink = torch.empty((), dtype=torch.float32, device=self.device)
-
-        def flush() -> None:
-            torch.sum(self._flush_buffer, dim=0, out=flush_sink)
-
+        flush = self.flush
         fn()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -32,7 +32,7 @@ import fx_fusion.backend  # noqa: E402,F401  (registers the backend when no entr
 from fx_fusion import cuda_graphs  # noqa: E402
 from fx_fusion.drafts import HandFusedContextKV, build_workload, example_inputs  # noqa: E402
 
-FLUSH_KERNEL = "reduce_kernel"  # torch.sum's CUDA kernel, the reading flush
+FLUSH_KERNEL = "reduce_kernel"  # torch.sum's CUDA kernel: `Timer.flush`, the reading flush
 
 
 def calls_from_trace(prof) -> list[list[tuple[str, float, float]]]:
@@ -80,8 +80,6 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=30)
     args = parser.parse_args(argv)
     timer = Timer(torch.device("cuda"), warmup=25, rep=100, l2_flush="read")
-    flush_buffer = torch.ones(Timer.FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
-    sink = torch.empty((), dtype=torch.float32, device="cuda")
     for workload in args.workloads.split(","):
         model = build_workload(workload, device="cuda")
         hand = HandFusedContextKV(model, rope="cache")
@@ -101,7 +99,7 @@ def main(argv=None) -> int:
                     torch.cuda.synchronize()
                     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                         for _ in range(args.calls):
-                            torch.sum(flush_buffer, dim=0, out=sink)
+                            timer.flush()
                             graphed()
                         torch.cuda.synchronize()
                     print(f"=== {workload} T={seq_len} {form}: event-timed median {us:.2f} us", flush=True)

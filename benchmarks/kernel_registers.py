@@ -25,6 +25,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.runtime.jit import mangle_type
 
 from fx_fusion.kernels import grouped_gemv
 from fx_fusion.kernels.grouped_gemv import KEpilogue, RotaryAngles, launch_grouped_gemv
@@ -82,23 +83,15 @@ def launch_arguments(tokens: int, layers: int, norm: bool, rope: str, block_k: i
     return args, meta
 
 
-_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64", torch.int32: "*i32"}
-
-
 def compile_sm90(args: tuple, meta: dict):
     """The kernel compiled for sm_90 with these arguments (None and constexprs specialised)."""
     fn = grouped_gemv.grouped_gemv_kernel
     names = [name for name, param in zip(fn.arg_names, fn.params) if not param.is_constexpr]
     signature, constants = {}, {}
     for name, value in zip(names, args):
+        signature[name] = mangle_type(value)  # Triton's own: "*bf16", "i32", "fp32", None a constexpr
         if value is None:
-            signature[name], constants[name] = "constexpr", None
-        elif isinstance(value, torch.Tensor):
-            signature[name] = _TYPES[value.dtype]
-        elif isinstance(value, float):
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i64" if abs(value) >= 2**31 else "i32"
+            constants[name] = None
     meta = dict(meta)
     options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages")}
     for name, value in meta.items():
