@@ -23,8 +23,10 @@ call (x [N, 4096] -> out [N, G * 1024], one preallocated out):
                  back to the current stream (S = 2, 3, 5; small GEMMs side by side)
     concat       torch.mm(x, w_cat.t(), out=out), w_cat pre-concatenated once (a reference: it needs a second
                  copy of the weights)
-    cfg[T:N:K:W(:S(:P(:M)))] launch_grouped_gemv with BLOCK_T:BLOCK_N:BLOCK_K:num_warps(:split_k(:num_stages(:masked_k)))
-                 overrides (--configs; 0 keeps the heuristic's value; M = 1: the K loop with its masks), for tuning
+    cfg[T:N:K:W(:S(:P(:M(:A))))] launch_grouped_gemv with
+                 BLOCK_T:BLOCK_N:BLOCK_K:num_warps(:split_k(:num_stages(:masked_k(:swap_ab))))
+                 overrides (--configs; 0 keeps the heuristic's value; M = 1: the K loop with its masks; A = 1:
+                 the weight rows as the MMA's M, A = -1: the tokens), for tuning
     floor        bytes(all weights (+ biases) + x + out) / --peak-bw (B/s; 4.8e12 = H200 HBM3e spec)
 
 With --epilogue the weights are ordered [K_0 .. K_{L-1}, V_0 .. V_{L-1}] (as the pass groups them), every
@@ -189,8 +191,10 @@ def make_candidates(
         candidates.update({f"streams{n}": on_streams(n) for n in (2, 3, 5)})
     candidates["concat"] = concat
     for cfg in configs:
-        names = ("block_t", "block_n", "block_k", "num_warps", "split_k", "num_stages", "masked_k")
+        names = ("block_t", "block_n", "block_k", "num_warps", "split_k", "num_stages", "masked_k", "swap_ab")
         overrides = {k: v for k, v in zip(names, cfg) if v}
+        if "swap_ab" in overrides:  # 1: on, -1: off
+            overrides["swap_ab"] = overrides["swap_ab"] > 0
 
         def tuned(t: Inputs, overrides=overrides) -> None:
             launch_grouped_gemv(t.x, t.weights, t.biases, t.out, k_epilogue=t.epilogue, **overrides)
@@ -309,6 +313,7 @@ def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
         speedup = f"{base / grouped:.2f}" if isinstance(grouped, float) and isinstance(base, float) else "-"
         cfg = row["grouped_config"]
         config = f"T{cfg['BLOCK_T']} N{cfg['BLOCK_N']} K{cfg['BLOCK_K']} W{cfg['num_warps']} S{cfg['SPLIT_K']}"
+        config += " swapped" if cfg.get("SWAP_AB") else ""
         n = f"{row['N']}" + ("" if row["grouped_supported"] else "*")
         cells = [
             row["workload"],
@@ -327,9 +332,9 @@ def parse_configs(text: str) -> list[tuple[int, ...]]:
     configs = []
     for item in filter(None, text.split(",")):
         parts = [int(p) for p in item.split(":")]
-        if len(parts) not in (4, 5, 6, 7):
+        if len(parts) not in (4, 5, 6, 7, 8):
             raise argparse.ArgumentTypeError(
-                f"config {item!r}: expected BLOCK_T:BLOCK_N:BLOCK_K:num_warps[:split_k[:num_stages[:masked_k]]]"
+                f"config {item!r}: expected BLOCK_T:BLOCK_N:BLOCK_K:num_warps[:split_k[:num_stages[:masked_k[:swap_ab]]]]"
             )
         configs.append(tuple(parts))
     return configs

@@ -27,6 +27,9 @@ token counts with --dynamic), one compile per T; torch._dynamo.reset() between c
     fxf_tab        fx_fusion with options rotary_angles_in_kernel=False (the K epilogue reads the cos/sin
                    tables that the graph computes; only when named in --columns)
     fxf_tab_graph  the same, CUDA-graphed
+    fxf_mma_t      fx_fusion with the K-epilogue launch's tokens as the MMA's M (the launch off Hopper:
+                   grouped_gemv's device capability answered as sm_80 while compiling; only when named)
+    fxf_mma_t_graph  the same, CUDA-graphed
     fxf_frz        torch.compile(m, backend="fx_fusion") with freezing
     fxf_frz_graph  the same, CUDA-graphed
     floor          max(bytes / copy bandwidth, flops / matmul rate); bytes = x + all K/V weights (+biases)
@@ -56,12 +59,14 @@ import platform
 import sys
 import time
 import traceback
+import unittest.mock
 from typing import Any, Callable
 
 import torch
 
 from fx_fusion import cuda_graphs
 from fx_fusion.drafts import HandFusedContextKV, build_workload, example_inputs
+from fx_fusion.kernels import grouped_gemv
 
 DEFAULT_WORKLOADS = ["qwen3-8b-dflash", "llama3-8b-ctx", "qwen3-1layer"]
 DEFAULT_SEQ_LENS = [1, 16, 128, 1024, 8192]
@@ -83,10 +88,12 @@ COLUMNS = [
     "fxf_sep_graph",
     "fxf_tab",
     "fxf_tab_graph",
+    "fxf_mma_t",
+    "fxf_mma_t_graph",
     "fxf_frz",
     "fxf_frz_graph",
 ]
-DEFAULT_COLUMNS = [c for c in COLUMNS if not c.startswith(("fxf_sep", "fxf_tab"))]  # the ablations on request
+DEFAULT_COLUMNS = [c for c in COLUMNS if not c.startswith(("fxf_sep", "fxf_tab", "fxf_mma_t"))]  # ablations on request
 
 
 def log(msg: str) -> None:
@@ -364,7 +371,10 @@ class Bench:
         torch.cuda.reset_peak_memory_stats()
         return torch.cuda.memory_allocated()
 
-    def _compiled_family(self, row, tag, model, x, pos, ref, backend_fn, freezing: bool, plain: str, graphed: str):
+    def _compiled_family(
+        self, row, tag, model, x, pos, ref, backend_fn, freezing: bool, plain: str, graphed: str,
+        compile_ctx=contextlib.nullcontext,
+    ):  # fmt: skip
         want_plain, want_graph = plain in self.columns, graphed in self.columns
         if not (want_plain or want_graph):
             return
@@ -383,6 +393,7 @@ class Bench:
             compiled = torch.compile(model, **kwargs)
             with contextlib.ExitStack() as stack:
                 stack.enter_context(freeze_ctx())
+                stack.enter_context(compile_ctx())
                 if is_fxf:  # compile afresh so the pass runs here and reports what it fused
                     stack.enter_context(torch._inductor.config.patch(fx_graph_cache=False))
                     stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
@@ -481,6 +492,8 @@ class Bench:
         self._compiled_family(row, tag, model, x, pos, ref, fxf_sep, False, "fxf_sep", "fxf_sep_graph")
         fxf_tab = lambda: fx_fusion_backend(self.args.fxf_min_layers, angles_in_kernel=False)  # noqa: E731
         self._compiled_family(row, tag, model, x, pos, ref, fxf_tab, False, "fxf_tab", "fxf_tab_graph")
+        off_hopper = lambda: unittest.mock.patch.object(grouped_gemv, "_capability", lambda index: (8, 0))  # noqa: E731
+        self._compiled_family(row, tag, model, x, pos, ref, fxf, False, "fxf_mma_t", "fxf_mma_t_graph", off_hopper)
         self._compiled_family(row, tag, model, x, pos, ref, fxf, True, "fxf_frz", "fxf_frz_graph")
         del ref, x, pos
         gc.collect()
@@ -575,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-lens", default=None, help="comma-separated T values (default 1,16,128,1024,8192)")
     parser.add_argument("--quick", action="store_true", help=f"T in {QUICK_SEQ_LENS} only")
     parser.add_argument(
-        "--columns", default=",".join(DEFAULT_COLUMNS), help="comma-separated subset of the columns (default: all but fxf_sep* and fxf_tab*)"
+        "--columns", default=",".join(DEFAULT_COLUMNS), help="comma-separated subset of the columns (default: all but fxf_sep*, fxf_tab* and fxf_mma_t*)"
     )
     parser.add_argument("--graph", choices=["manual", "reduce-overhead"], default="manual")
     parser.add_argument(

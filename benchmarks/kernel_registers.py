@@ -1,13 +1,14 @@
 """Registers and local stack of the grouped GEMM's K-epilogue launch, compiled offline for sm_90 (no GPU needed).
 
-    python benchmarks/kernel_registers.py [--tokens 1,16,32] [--configs 128:4:4,64:8:6] [--layers 5]
+    python benchmarks/kernel_registers.py [--tokens 1,16,32] [--configs 128:4:4,64:8:6,0:0:0:1] [--layers 5]
 
 For a draft of --layers layers (8 KV heads x 128 over hidden 4096, bf16, each layer's K and V weights, as
 the pass groups them), every variant of the launch the pass can emit: K norm or none, RoPE's cos/sin read
 from per-token tables or computed in the kernel (one head-wide row per token, or a tile of frequencies).
 The launch's real arguments come from `launch_grouped_gemv` itself (CPU tensors, the interpreter's entry
-point intercepted; its configuration replaced by each of --configs, BLOCK_K:num_warps:num_stages, 0 keeping
-the heuristic's value on CUDA), the kernel is compiled for sm_90 by Triton's compiler, and cuobjdump reads
+point intercepted; its configuration the heuristic's on a Hopper GPU, or each of --configs,
+BLOCK_K:num_warps:num_stages[:swap_ab], 0 or no swap_ab keeping the heuristic's value), the kernel is compiled for sm_90 by Triton's compiler, specialised as
+its JIT specialises a real launch, and cuobjdump reads
 the cubin's resource usage: REG, registers per thread (255 the most), and STACK, bytes of stack per thread
 (spilled registers, plus 32 for the trig functions' slow path with the angles in the kernel).
 """
@@ -25,7 +26,8 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from triton.runtime.jit import mangle_type
+from triton.backends.nvidia.compiler import CUDABackend
+from triton.runtime.jit import native_specialize_impl
 
 from fx_fusion.kernels import grouped_gemv
 from fx_fusion.kernels.grouped_gemv import KEpilogue, RotaryAngles, launch_grouped_gemv
@@ -55,8 +57,22 @@ def recorded_launches():
         grouped_gemv.grouped_gemv_kernel_interpreted = saved
 
 
-def launch_arguments(tokens: int, layers: int, norm: bool, rope: str, block_k: int, warps: int, stages: int):
-    """(args, meta) of the CUDA launch for one variant; rope is "tables", "row" or "tile"."""
+@contextlib.contextmanager
+def hopper_device():
+    """grouped_gemv's device queries answering as an H100 / H200 (132 SMs, sm_90) without a GPU."""
+    saved = grouped_gemv._sm_count, grouped_gemv._capability
+    grouped_gemv._sm_count, grouped_gemv._capability = (lambda index: 132), (lambda index: (9, 0))
+    try:
+        yield torch.device("cuda", 0)
+    finally:
+        grouped_gemv._sm_count, grouped_gemv._capability = saved
+
+
+def launch_arguments(
+    tokens: int, layers: int, norm: bool, rope: str, block_k: int, warps: int, stages: int, swap_ab: bool | None = None
+):
+    """(args, meta) of the CUDA launch for one variant; rope is "tables", "row" or "tile". The launch
+    heuristic's configuration on a Hopper GPU, where block_k / warps / stages are 0 and swap_ab None."""
     bf16 = torch.bfloat16
     x = torch.empty(tokens, HIDDEN, dtype=bf16)
     weights = [torch.empty(HEADS * HEAD_DIM, HIDDEN, dtype=bf16) for _ in range(2 * layers)]
@@ -70,12 +86,17 @@ def launch_arguments(tokens: int, layers: int, norm: bool, rope: str, block_k: i
     epilogue = KEpilogue(
         k_out, 0, HEADS * HEAD_DIM, HEAD_DIM, norms, None, 1e-6, cos, sin, None, HEAD_DIM, False, 0.0, False, True, angles
     )  # the weights [K_0 .. K_{L-1}, V_0 .. V_{L-1}]: K heads of layer l at columns l * 1024 + h * 128
+    with hopper_device() as cuda:
+        config = grouped_gemv.epilogue_launch_config(tokens, HEADS * HEAD_DIM, HIDDEN, 2 * layers, HEAD_DIM, bf16, cuda)
+    swap_ab = config.get("SWAP_AB", False) if swap_ab is None else swap_ab
     with recorded_launches() as calls:
-        launch_grouped_gemv(x, weights, [], out, k_epilogue=epilogue, block_k=block_k or None)
+        launch_grouped_gemv(
+            x, weights, [], out, k_epilogue=epilogue, block_k=block_k or config["BLOCK_K"], split_k=config["SPLIT_K"],
+            num_warps=warps or config["num_warps"], num_stages=stages or config.get("num_stages"), swap_ab=swap_ab,
+        )  # fmt: skip
     ((args, meta),) = calls
-    # as on CUDA: 16-bit tiles straight into tl.dot, the unsplit launch's stages
-    meta = dict(meta, DOT_IN_FLOAT32=False, INPUT_PRECISION="tf32", num_warps=warps or 4)
-    meta["num_stages"] = stages or grouped_gemv.UNSPLIT_EPILOGUE_STAGES
+    # as on CUDA: 16-bit tiles straight into tl.dot; without stages (split launches), Triton's default 3
+    meta = dict(meta, DOT_IN_FLOAT32=False, INPUT_PRECISION="tf32", num_stages=meta.get("num_stages") or 3)
     if rope == "row":
         meta["ANGLE_TILE"] = False
     elif rope == "tile":
@@ -84,20 +105,27 @@ def launch_arguments(tokens: int, layers: int, norm: bool, rope: str, block_k: i
 
 
 def compile_sm90(args: tuple, meta: dict):
-    """The kernel compiled for sm_90 with these arguments (None and constexprs specialised)."""
+    """The kernel compiled for sm_90 with these arguments, specialised as Triton's JIT specialises a launch
+    (None and integers equal to 1 become constants; 16-byte aligned pointers and integers divisible by 16
+    are marked so, which is what lets loads vectorise and the K loop pipeline)."""
     fn = grouped_gemv.grouped_gemv_kernel
     names = [name for name, param in zip(fn.arg_names, fn.params) if not param.is_constexpr]
-    signature, constants = {}, {}
+    signature, constexprs, attrs = {}, {}, {}
     for name, value in zip(names, args):
-        signature[name] = mangle_type(value)  # Triton's own: "*bf16", "i32", "fp32", None a constexpr
-        if value is None:
-            constants[name] = None
+        kind, attr = native_specialize_impl(CUDABackend, value, False, True, True)
+        signature[name] = kind
+        index = (fn.arg_names.index(name),)
+        if kind == "constexpr":
+            constexprs[index] = attr
+        elif isinstance(attr, str):
+            attrs[index] = CUDABackend.parse_attr(attr)
     meta = dict(meta)
     options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages")}
     for name, value in meta.items():
-        signature[name], constants[name] = "constexpr", value
-    constexprs = {(fn.arg_names.index(name),): value for name, value in constants.items()}
-    return triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs), target=SM_90, options=options)
+        signature[name] = "constexpr"
+        constexprs[(fn.arg_names.index(name),)] = value
+    source = ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=SM_90, options=options)
 
 
 def resource_usage(compiled) -> str:
@@ -114,19 +142,24 @@ def resource_usage(compiled) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1,16,32")
-    parser.add_argument("--configs", default="0:0:0", help="BLOCK_K:num_warps:num_stages, comma-separated; 0: the heuristic's")
+    parser.add_argument(
+        "--configs",
+        default="0:0:0",
+        help="BLOCK_K:num_warps:num_stages[:swap_ab], comma-separated; 0 (or no swap_ab): the heuristic's on Hopper",
+    )
     parser.add_argument("--layers", type=int, default=5)
     args = parser.parse_args(argv)
-    print(f"{'tokens':>6} {'BLOCK_K:warps:stages':>20} {'K norm':>6} {'cos/sin':>7}  usage")
+    print(f"{'tokens':>6} {'BLOCK_K:warps:stages:swap':>25} {'K norm':>6} {'cos/sin':>7}  usage")
     for tokens in (int(t) for t in args.tokens.split(",")):
         for config in args.configs.split(","):
-            block_k, warps, stages = (int(v) for v in config.split(":"))
+            block_k, warps, stages, *swap = (int(v) for v in config.split(":"))
+            swap_ab = bool(swap[0]) if swap else None
             for norm in (True, False):
                 for rope in ("tables", "row", "tile"):
-                    launch_args, meta = launch_arguments(tokens, args.layers, norm, rope, block_k, warps, stages)
+                    launch_args, meta = launch_arguments(tokens, args.layers, norm, rope, block_k, warps, stages, swap_ab)
                     usage = resource_usage(compile_sm90(launch_args, meta))
-                    label = f"{meta['BLOCK_K']}:{meta['num_warps']}:{meta['num_stages']}"
-                    print(f"{tokens:>6} {label:>20} {'yes' if norm else 'no':>6} {rope:>7}  {usage}", flush=True)
+                    label = f"{meta['BLOCK_K']}:{meta['num_warps']}:{meta['num_stages']}:{int(meta['SWAP_AB'])}"
+                    print(f"{tokens:>6} {label:>25} {'yes' if norm else 'no':>6} {rope:>7}  {usage}", flush=True)
     return 0
 
 

@@ -79,6 +79,7 @@ SPLIT_BLOCK_K_BYTES = 256
 SPLIT_MIN_ROW_BYTES = 8192  # past 16 tokens, split K only over weight rows this long (4096 bf16 features)
 EPILOGUE_TILE_BYTES = 32 * 1024  # a head-wide weight tile per pipeline stage, at most
 UNSPLIT_EPILOGUE_STAGES = 4  # pipeline stages of an unsplit K-epilogue launch of up to 32 tokens
+SWAPPED_EPILOGUE_WARPS = 8  # K-epilogue launches with the weight rows as the MMA's M (Hopper)
 
 
 def _grouped_gemv_kernel(
@@ -153,6 +154,7 @@ def _grouped_gemv_kernel(
     NORM_WEIGHT_OFFSET: tl.constexpr,
     NORM_WEIGHT_IN_FLOAT32: tl.constexpr,
     NORM_ROUND_BEFORE_ROPE: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):  # fmt: skip
     """One program: out[tokens, idx * R + rows] for one weight idx, a BLOCK_T x BLOCK_N tile, over the
     features [split * k_per_split, (split + 1) * k_per_split) of its split (all of K when SPLIT_K is 1).
@@ -173,6 +175,10 @@ def _grouped_gemv_kernel(
     angle_scale, rounded to k's dtype when ROUND_ANGLES (sin alike), as the graph's own tables are.
     ANGLE_TILE (with ANGLES; interleaved pairs, or rotate-half over the whole head): one trig per token
     and frequency over the tile, rather than one head-wide row per token in turn.
+    SWAP_AB: each K step multiplies the transposed tiles, weight rows [BLOCK_N, BLOCK_K] by tokens
+    [BLOCK_K, BLOCK_T], so the rows are the MMA's M (Hopper's warp-group MMA needs M >= 64, and BLOCK_T is
+    16 or 32); the float32 accumulator is transposed back to [BLOCK_T, BLOCK_N] before the stores (the
+    same tiles and K steps; the order of the sums inside one step is the MMA instruction's).
     """
     pid_tok = tl.program_id(0) // SPLIT_K  # token blocks (then splits) vary fastest: programs running
     split = tl.program_id(0) % SPLIT_K  # together share a weight tile
@@ -205,6 +211,7 @@ def _grouped_gemv_kernel(
     x_ptrs = x_ptr + tokens.to(tl.int64)[:, None] * stride_xn + k_offsets[None, :] * stride_xk
     w_ptrs = w_ptr + rows.to(tl.int64)[None, :] * stride_wr + k_offsets[:, None] * stride_wk
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    acc_t = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     for k_start in range(k_begin, k_end, BLOCK_K):
         if EVEN_K:  # whole K steps: only the tile's token and row tails are masked
             x = tl.load(x_ptrs, mask=tok_mask[:, None], other=0.0)
@@ -216,10 +223,15 @@ def _grouped_gemv_kernel(
         if DOT_IN_FLOAT32:  # exact products of 16-bit values, float32 sums: the same math
             x = x.to(tl.float32)
             w = w.to(tl.float32)
-        acc = tl.dot(x, w, acc, input_precision=INPUT_PRECISION)
+        if SWAP_AB:  # weight rows as the MMA's M, tokens as its N: Hopper's warp-group MMA needs M >= 64
+            acc_t = tl.dot(tl.trans(w), tl.trans(x), acc_t, input_precision=INPUT_PRECISION)
+        else:
+            acc = tl.dot(x, w, acc, input_precision=INPUT_PRECISION)
         x_ptrs += step_xk
         w_ptrs += step_wk
 
+    if SWAP_AB:
+        acc = tl.trans(acc_t)
     cols = (idx * R + rows).to(tl.int64)
     tile_mask = tok_mask[:, None] & row_mask[None, :]
     last = True
@@ -584,6 +596,11 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
 def cuda_device_index(device: torch.device) -> int:
     """The index of a CUDA device ("cuda" without one: the current device)."""
     return device.index if device.index is not None else torch.cuda.current_device()
@@ -654,7 +671,11 @@ def epilogue_launch_config(
     launches of up to 32 tokens pipeline UNSPLIT_EPILOGUE_STAGES K steps. From sweeps on an H200
     (benchmarks/RESULTS.md): one layer (16 head tiles) at T = 1 10.1 us with 8 splits (22.1 unsplit); 5
     layers' K and V (80 head tiles) 24.3 us unsplit in 4 stages (26.0 with 2 splits in 3); at 64 tokens 5
-    layers unsplit (31.4 against 36.5 with 2), one layer 4 splits."""
+    layers unsplit (31.4 against 36.5 with 2), one layer 4 splits.
+    On Hopper, 16-bit heads of at least 128 dims up to MAX_EPILOGUE_TOKENS tokens multiply with the weight
+    rows as the MMA's M (SWAP_AB: the warp-group MMA, which needs M >= 64) in SWAPPED_EPILOGUE_WARPS warps
+    (H100, 5 layers at 1 / 16 / 32 tokens: 32.3 / 32.9 / 34.1 us against 33.0 / 33.5 / 35.5; one layer
+    11.1 / 11.8 / 13.5 against 11.5 / 12.3 / 14.6; either change alone gains less or nothing)."""
     element_size = dtype.itemsize
     block_t = max(MIN_BLOCK_T, min(next_power_of_2(max(n, 1)), 64))
     # at most EPILOGUE_TILE_BYTES of weights per pipeline stage (head_dim 256: half the K step)
@@ -669,6 +690,9 @@ def epilogue_launch_config(
         config["SPLIT_K"] = min(8 if n <= 16 else 4, ceil_div(sms, programs))
     elif block_t <= 32:
         config["num_stages"] = UNSPLIT_EPILOGUE_STAGES
+    hopper = _capability(cuda_device_index(device))[0] == 9
+    if hopper and element_size == 2 and head_dim >= 128 and n <= MAX_EPILOGUE_TOKENS:
+        config.update(SWAP_AB=True, num_warps=SWAPPED_EPILOGUE_WARPS)
     return config
 
 
@@ -735,6 +759,7 @@ def launch_grouped_gemv(
     split_k: int | None = None,
     num_stages: int | None = None,
     masked_k: bool = False,
+    swap_ab: bool | None = None,
     k_epilogue: KEpilogue | None = None,
     traceable: bool = False,
 ) -> None:
@@ -746,7 +771,8 @@ def launch_grouped_gemv(
     works, but beyond `max_tokens` the weights are read once per BLOCK_T tokens). CPU tensors run through
     the Triton interpreter. `block_t` / `block_n` / `block_k` / `num_warps` / `split_k` / `num_stages`
     override the heuristic (tuning only; block sizes powers of 2, each at least 16; split_k >= 1; without
-    num_stages, Triton's default pipelining); `masked_k` keeps the K masks where BLOCK_K divides K (A/B only).
+    num_stages, Triton's default pipelining), as does `swap_ab` (the weight rows as the MMA's M: SWAP_AB);
+    `masked_k` keeps the K masks where BLOCK_K divides K (A/B only).
     `traceable` launches through `torch.library.wrap_triton`, so that tracing records the launch for Inductor.
     """
     n, k = x.shape
@@ -767,8 +793,9 @@ def launch_grouped_gemv(
         overrides = {
             "BLOCK_T": block_t, "BLOCK_N": block_n if k_epilogue is None else None, "BLOCK_K": block_k,
             "num_warps": num_warps, "SPLIT_K": split_k,
-            "num_stages": num_stages,
+            "num_stages": num_stages, "SWAP_AB": swap_ab,
         }  # fmt: skip
+        config.setdefault("SWAP_AB", False)
         config.update({key: value for key, value in overrides.items() if value is not None})
         if config["SPLIT_K"] < 1:
             raise ValueError(f"split_k must be >= 1, got {config['SPLIT_K']}")

@@ -82,11 +82,12 @@ def compiled_angles_from_the_positions_end() -> None:
 
 
 def grouped_gemv(
-    n: int, rows: int, hidden: int, n_weights: int, dtype: torch.dtype, bias: bool, strided: bool, split_k: int | None = None
+    n: int, rows: int, hidden: int, n_weights: int, dtype: torch.dtype, bias: bool, strided: bool,
+    split_k: int | None = None, swap_ab: bool | None = None, block_t: int | None = None,
 ) -> None:
     """The grouped GEMV kernel on shapes with tails (tokens, rows, hidden), more weights than one launch
     takes, a transposed x and weights cut from a wider parameter, into a column slice of a poisoned buffer;
-    `split_k` overrides the heuristic's K split."""
+    `split_k`, `swap_ab` and `block_t` override the heuristic's."""
     torch.manual_seed(n * 7 + rows)
     parent = torch.randn(n_weights, rows, hidden + (5 if strided else 0), device="cuda", dtype=dtype)
     weights = [parent[i, :, :hidden] for i in range(n_weights)]
@@ -95,7 +96,7 @@ def grouped_gemv(
     buffer = torch.full((n, n_weights * rows + 3), float("nan"), device="cuda", dtype=dtype)
     out = buffer[:, 1 : 1 + n_weights * rows]
     assert grouped_gemv_supported(x, weights, biases, out)
-    launch_grouped_gemv(x, weights, biases, out, split_k=split_k)
+    launch_grouped_gemv(x, weights, biases, out, split_k=split_k, swap_ab=swap_ab, block_t=block_t)
     expected = grouped_linear_reference(x, weights, biases)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance * hidden**0.5)
@@ -111,6 +112,9 @@ GEMV_CASES = {
     "gemv-split-k-8-one-token": dict(n=1, rows=1024, hidden=4096, n_weights=2, dtype=torch.bfloat16, bias=False, strided=False, split_k=8),
     # the heuristic's own split past 16 tokens (two weights of 4096 features), a partial token tile
     "gemv-heuristic-split-100-tokens": dict(n=100, rows=1024, hidden=4096, n_weights=2, dtype=torch.bfloat16, bias=True, strided=False),
+    # the weight rows as the MMA's M: row, token and K tails; 100 tokens in one 128-token tile
+    "gemv-swap-ab-17-tokens-tails": dict(n=17, rows=72, hidden=300, n_weights=18, dtype=torch.bfloat16, bias=True, strided=True, swap_ab=True),
+    "gemv-swap-ab-100-tokens-one-tile": dict(n=100, rows=1024, hidden=4096, n_weights=3, dtype=torch.bfloat16, bias=False, strided=False, swap_ab=True, block_t=128),
 }
 
 
@@ -162,15 +166,18 @@ def main() -> int:
         )
     for name in ("one_token", "partial_token_tile", "two_launches", "split_k", "qkv_groups", "token_major",
                  "positions_interleaved", "partial_rotary", "per_layer_tables", "bias", "angles",
-                 "angles_interleaved_partial", "angles_one_token", "angles_partial_rotate_half"):  # fmt: skip
+                 "angles_interleaved_partial", "angles_one_token", "angles_partial_rotate_half", "swap_ab",
+                 "swap_ab_angles_interleaved", "swap_ab_float32_split_k"):  # fmt: skip
         checks[f"k-epilogue-{name}"] = functools.partial(check_k_epilogue, EPILOGUE_CASES[name], "cuda")
-    # real widths: the heuristic's unsplit 4-stage launches (5 layers, up to 32 tokens), 64-token tiles,
-    # K splits (one layer)
+    # real widths: the heuristic's unsplit 4-stage launches (5 layers, up to 32 tokens; on Hopper with the
+    # weight rows as the MMA's M), 64-token tiles, K splits (one layer)
     for layers, tokens in ((5, 1), (5, 32), (5, 100), (1, 1)):
         real = EpilogueCase(tokens=tokens, layers=layers, heads=8, head_dim=128, hidden=4096)
         checks[f"k-epilogue-{layers}-layers-{tokens}-tokens"] = functools.partial(check_k_epilogue, real, "cuda")
     real_angles = EpilogueCase(tokens=17, layers=5, heads=8, head_dim=128, hidden=4096, tables="angles")
     checks["k-epilogue-5-layers-17-tokens-angles"] = functools.partial(check_k_epilogue, real_angles, "cuda")
+    unswapped = dataclasses.replace(real_angles, tokens=32, swap_ab=False)  # the launch off Hopper
+    checks["k-epilogue-5-layers-32-tokens-angles-no-swap"] = functools.partial(check_k_epilogue, unswapped, "cuda")
     checks["compiled-zlab-angles-from-the-positions-end"] = compiled_angles_from_the_positions_end
     selected = sys.argv[1:]  # names containing any of these (default: every case)
     checks = {name: check for name, check in checks.items() if not selected or any(p in name for p in selected)}

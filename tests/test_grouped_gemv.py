@@ -220,6 +220,16 @@ def test_split_k_below_one_is_refused() -> None:
         launch_grouped_gemv(x, weights, biases, out, split_k=0)
 
 
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 17])
+def test_weight_rows_as_the_mma_m(n: int, dtype: torch.dtype, split_k: int, device: str) -> None:
+    """swap_ab: each step multiplies the transposed tiles (weight rows as M, tokens as N) and the
+    accumulator is transposed back: row and token tails, a K tail, bias, transposed x, a column slice."""
+    case = Case(n=n, k=129, rows=37, n_weights=3, dtype=dtype, bias=True, x_layout="transposed", out_layout="column_slice")
+    run_case(case, device, swap_ab=True, split_k=split_k, block_k=32)
+
+
 @pytest.mark.parametrize("block_t", [16, 64])
 def test_wide_token_tiles_for_few_tokens(block_t: int, device: str) -> None:
     """Tiles wider than the tokens (the `block_t` override): most token rows masked off."""

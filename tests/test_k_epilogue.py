@@ -56,6 +56,7 @@ class Case:
     bias: bool = False
     token_major: bool = False
     split_k: int | None = None
+    swap_ab: bool | None = None  # None: the heuristic's choice
 
 
 def weights_and_columns(case: Case, gen, device):
@@ -157,7 +158,7 @@ def run_case(case: Case, device: str) -> None:
         case.weight_in_float32, case.round_before_rope, angles,
     )  # fmt: skip
     assert k_epilogue_unsupported_reason(weights[0].shape[0], n_columns, epilogue, out) is None
-    launch_grouped_gemv(x, weights, biases, out, k_epilogue=epilogue, split_k=case.split_k)
+    launch_grouped_gemv(x, weights, biases, out, k_epilogue=epilogue, split_k=case.split_k, swap_ab=case.swap_ab)
 
     expected = torch.cat([x.double() @ w.double().t() for w in weights], dim=1)
     if biases:
@@ -219,6 +220,10 @@ CASES = {
     "token_major": Case(token_major=True),
     "split_k": Case(split_k=3, hidden=200),
     "two_launches": Case(layers=9, tokens=2),  # 18 weights: K heads in both launches of 16 and 2
+    # the weight rows as the MMA's M (tl.dot over the transposed tiles, the accumulator transposed back)
+    "swap_ab": Case(swap_ab=True, tokens=17),
+    "swap_ab_angles_interleaved": Case(swap_ab=True, tables="angles", interleaved=True),
+    "swap_ab_float32_split_k": Case(swap_ab=True, dtype=torch.float32, split_k=3, hidden=200),
 }
 
 
@@ -267,6 +272,17 @@ def test_epilogue_at_real_widths(layers: int, tokens: int, tables: str, monkeypa
     with cos / sin read from tables or computed in the kernel."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     run_case(Case(tokens=tokens, layers=layers, heads=8, head_dim=128, hidden=4096, tables=tables), "cuda")
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("layers, tokens, tables", [(5, 1, "shared"), (5, 16, "angles"), (5, 32, "angles"), (1, 16, "shared")])
+def test_weight_rows_as_the_mma_n_at_real_widths(layers: int, tokens: int, tables: str, monkeypatch) -> None:
+    """swap_ab off at Qwen3-8B-like widths on CUDA: the launch other GPUs than Hopper get (tokens as the
+    MMA's M), the heuristic's tiles, stages and K splits otherwise."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    case = Case(tokens=tokens, layers=layers, heads=8, head_dim=128, hidden=4096, tables=tables, swap_ab=False)
+    run_case(case, "cuda")
 
 
 def _epilogue(k_out, columns=(0, 64, 16), norm_weights=(), angles=None):
@@ -432,25 +448,32 @@ def test_past_the_epilogue_token_count_the_norm_rope_keeps_its_kernel() -> None:
 def test_epilogue_launch_heuristic(monkeypatch) -> None:
     """The measured choices: head-wide tiles, K split (up to 8 ways for up to 16 tokens, 4 past that) only
     while programs are fewer than half the SMs, else unsplit launches of up to 32 tokens in 4 pipeline
-    stages; the interpreter never splits."""
+    stages; on Hopper, 16-bit heads of 128 or more dims up to 32 tokens with the weight rows as the MMA's M
+    in 8 warps; the interpreter never splits."""
     monkeypatch.setattr(grouped_gemv, "_sm_count", lambda index: 132)  # an H200
+    monkeypatch.setattr(grouped_gemv, "_capability", lambda index: (9, 0))
     cuda, bf16 = torch.device("cuda", 0), torch.bfloat16
 
-    def config(n, n_weights, dtype=bf16, device=cuda):
-        return grouped_gemv.epilogue_launch_config(n, 1024, 4096, n_weights, 128, dtype, device)
+    def config(n, n_weights, dtype=bf16, device=cuda, head_dim=128):
+        return grouped_gemv.epilogue_launch_config(n, 1024, 4096, n_weights, head_dim, dtype, device)
 
     # 5 layers' K and V: 80 head tiles (>= 66) -> unsplit, 4 stages up to 32 tokens, Triton's default past that
-    unsplit = {"BLOCK_T": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "SPLIT_K": 1, "num_stages": 4}
+    unsplit = {"BLOCK_T": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "SPLIT_K": 1, "num_stages": 4, "SWAP_AB": True}
     assert config(1, 10) == unsplit and config(16, 10) == unsplit
     assert config(32, 10) == {**unsplit, "BLOCK_T": 32}
     assert config(64, 10) == {"BLOCK_T": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "SPLIT_K": 1}
     # 4 layers: 64 head tiles -> 3 splits (ceil(132 / 64)), pipelined as Triton's default
     assert config(1, 8)["SPLIT_K"] == 3 and "num_stages" not in config(1, 8)
     # one layer: 16 head tiles -> 8 splits, then 4
-    assert config(1, 2)["SPLIT_K"] == 8 and config(32, 2)["SPLIT_K"] == 4
+    assert config(1, 2)["SPLIT_K"] == 8 and config(32, 2)["SPLIT_K"] == 4 and config(1, 2)["SWAP_AB"]
     assert config(1, 2, torch.float32)["BLOCK_K"] == 64  # 256 bytes of a weight row per step
-    wide = grouped_gemv.epilogue_launch_config(1, 1024, 4096, 10, 256, bf16, cuda)
-    assert wide["BLOCK_N"] == 256 and wide["BLOCK_K"] == 64  # a stage's weight tile stays at 32 KiB
+    wide = config(1, 10, head_dim=256)
+    assert wide["BLOCK_N"] == 256 and wide["BLOCK_K"] == 64 and wide["SWAP_AB"]  # a stage's weight tile stays at 32 KiB
+    # the weight rows stay tl.dot's N: float32 (no warp-group MMA), heads of 64 dims, other GPUs, the interpreter
+    for plain in (config(1, 10, torch.float32), config(1, 10, head_dim=64), config(1, 2, device=torch.device("cpu"))):
+        assert "SWAP_AB" not in plain and plain["num_warps"] == 4
+    monkeypatch.setattr(grouped_gemv, "_capability", lambda index: (8, 0))
+    assert "SWAP_AB" not in config(1, 10)
     assert config(1, 2, device=torch.device("cpu"))["SPLIT_K"] == 1
 
 
