@@ -79,7 +79,8 @@ SPLIT_BLOCK_K_BYTES = 256
 SPLIT_MIN_ROW_BYTES = 8192  # past 16 tokens, split K only over weight rows this long (4096 bf16 features)
 EPILOGUE_TILE_BYTES = 32 * 1024  # a head-wide weight tile per pipeline stage, at most
 UNSPLIT_EPILOGUE_STAGES = 4  # pipeline stages of an unsplit K-epilogue launch of up to 32 tokens
-SWAPPED_EPILOGUE_WARPS = 8  # K-epilogue launches with the weight rows as the MMA's M (Hopper)
+SWAPPED_EPILOGUE_WARPS = 8  # K-epilogue launches with the weight rows as the MMA's M (Hopper) ...
+SWAPPED_HEAD_DIM = 128  # ... for heads this wide: the one width measured on a GPU
 
 
 def _grouped_gemv_kernel(
@@ -672,8 +673,8 @@ def epilogue_launch_config(
     (benchmarks/RESULTS.md): one layer (16 head tiles) at T = 1 10.1 us with 8 splits (22.1 unsplit); 5
     layers' K and V (80 head tiles) 24.3 us unsplit in 4 stages (26.0 with 2 splits in 3); at 64 tokens 5
     layers unsplit (31.4 against 36.5 with 2), one layer 4 splits.
-    On Hopper, 16-bit heads of at least 128 dims up to MAX_EPILOGUE_TOKENS tokens multiply with the weight
-    rows as the MMA's M (SWAP_AB: the warp-group MMA, which needs M >= 64) in SWAPPED_EPILOGUE_WARPS warps
+    On Hopper, 16-bit heads of SWAPPED_HEAD_DIM dims up to MAX_EPILOGUE_TOKENS tokens multiply with the
+    weight rows as the MMA's M (SWAP_AB: the warp-group MMA, which needs M >= 64) in SWAPPED_EPILOGUE_WARPS warps
     (H100, 5 layers at 1 / 16 / 32 tokens: 32.3 / 32.9 / 34.1 us against 33.0 / 33.5 / 35.5; one layer
     11.1 / 11.8 / 13.5 against 11.5 / 12.3 / 14.6; either change alone gains less or nothing)."""
     element_size = dtype.itemsize
@@ -691,7 +692,7 @@ def epilogue_launch_config(
     elif block_t <= 32:
         config["num_stages"] = UNSPLIT_EPILOGUE_STAGES
     hopper = _capability(cuda_device_index(device))[0] == 9
-    if hopper and element_size == 2 and head_dim >= 128 and n <= MAX_EPILOGUE_TOKENS:
+    if hopper and element_size == 2 and head_dim == SWAPPED_HEAD_DIM and n <= MAX_EPILOGUE_TOKENS:
         config.update(SWAP_AB=True, num_warps=SWAPPED_EPILOGUE_WARPS)
     return config
 

@@ -176,6 +176,8 @@ def main() -> int:
         checks[f"k-epilogue-{layers}-layers-{tokens}-tokens"] = functools.partial(check_k_epilogue, real, "cuda")
     real_angles = EpilogueCase(tokens=17, layers=5, heads=8, head_dim=128, hidden=4096, tables="angles")
     checks["k-epilogue-5-layers-17-tokens-angles"] = functools.partial(check_k_epilogue, real_angles, "cuda")
+    heads_256 = EpilogueCase(tokens=32, layers=2, heads=4, head_dim=256, hidden=2048, tables="angles", swap_ab=True)
+    checks["k-epilogue-2-layers-32-tokens-heads-256-swap-ab"] = functools.partial(check_k_epilogue, heads_256, "cuda")
     unswapped = dataclasses.replace(real_angles, tokens=32, swap_ab=False)  # the launch off Hopper
     checks["k-epilogue-5-layers-32-tokens-angles-no-swap"] = functools.partial(check_k_epilogue, unswapped, "cuda")
     checks["compiled-zlab-angles-from-the-positions-end"] = compiled_angles_from_the_positions_end

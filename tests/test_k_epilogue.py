@@ -285,6 +285,18 @@ def test_weight_rows_as_the_mma_n_at_real_widths(layers: int, tokens: int, table
     run_case(case, "cuda")
 
 
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("swap_ab", [None, True], ids=["heuristic", "rows_as_m"])
+@pytest.mark.parametrize("tokens", [1, 32])
+def test_heads_of_256_dims_on_cuda(tokens: int, swap_ab: bool | None, monkeypatch) -> None:
+    """Gemma-wide heads (256 dims: BLOCK_K halved to keep a stage's weight tile at 32 KiB), as the heuristic
+    launches them (tokens as the MMA's M) and swapped (M = 256 over the heuristic's 4 warps)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    case = Case(tokens=tokens, layers=2, heads=4, head_dim=256, hidden=2048, tables="angles", swap_ab=swap_ab)
+    run_case(case, "cuda")
+
+
 def _epilogue(k_out, columns=(0, 64, 16), norm_weights=(), angles=None):
     cos = torch.ones(k_out.shape[1], 16)
     return KEpilogue(
@@ -448,8 +460,8 @@ def test_past_the_epilogue_token_count_the_norm_rope_keeps_its_kernel() -> None:
 def test_epilogue_launch_heuristic(monkeypatch) -> None:
     """The measured choices: head-wide tiles, K split (up to 8 ways for up to 16 tokens, 4 past that) only
     while programs are fewer than half the SMs, else unsplit launches of up to 32 tokens in 4 pipeline
-    stages; on Hopper, 16-bit heads of 128 or more dims up to 32 tokens with the weight rows as the MMA's M
-    in 8 warps; the interpreter never splits."""
+    stages; on Hopper, 16-bit heads of 128 dims up to 32 tokens with the weight rows as the MMA's M in 8
+    warps; the interpreter never splits."""
     monkeypatch.setattr(grouped_gemv, "_sm_count", lambda index: 132)  # an H200
     monkeypatch.setattr(grouped_gemv, "_capability", lambda index: (9, 0))
     cuda, bf16 = torch.device("cuda", 0), torch.bfloat16
@@ -468,9 +480,11 @@ def test_epilogue_launch_heuristic(monkeypatch) -> None:
     assert config(1, 2)["SPLIT_K"] == 8 and config(32, 2)["SPLIT_K"] == 4 and config(1, 2)["SWAP_AB"]
     assert config(1, 2, torch.float32)["BLOCK_K"] == 64  # 256 bytes of a weight row per step
     wide = config(1, 10, head_dim=256)
-    assert wide["BLOCK_N"] == 256 and wide["BLOCK_K"] == 64 and wide["SWAP_AB"]  # a stage's weight tile stays at 32 KiB
-    # the weight rows stay tl.dot's N: float32 (no warp-group MMA), heads of 64 dims, other GPUs, the interpreter
-    for plain in (config(1, 10, torch.float32), config(1, 10, head_dim=64), config(1, 2, device=torch.device("cpu"))):
+    assert wide["BLOCK_N"] == 256 and wide["BLOCK_K"] == 64  # a stage's weight tile stays at 32 KiB
+    # the weight rows stay tl.dot's N: float32 (no warp-group MMA), heads of 64 or 256 dims (not measured),
+    # other GPUs, the interpreter
+    unswapped = (config(1, 10, torch.float32), config(1, 10, head_dim=64), wide, config(1, 2, device=torch.device("cpu")))
+    for plain in unswapped:
         assert "SWAP_AB" not in plain and plain["num_warps"] == 4
     monkeypatch.setattr(grouped_gemv, "_capability", lambda index: (8, 0))
     assert "SWAP_AB" not in config(1, 10)
