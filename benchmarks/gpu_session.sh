@@ -2,7 +2,8 @@
 # One GPU session: CUDA tests, the memory checker on the kernel, the benchmarks, the host-cost breakdown.
 #   OUT=/some/dir bash benchmarks/gpu_session.sh [tests] [sanitize] [bench_op] [bench_gemv] [bench_module]
 #       [bench_module_quick] [bench_whole] [bench_whole_mid] [host] [bench_draft_ctx] [bench_draft_step] [demo] [tests_cache]
-#       [bench_gemv_epilogue] [bench_module_epilogue] [bench_uncaptured]
+#       [bench_gemv_epilogue] [bench_module_epilogue] [bench_uncaptured] [tests_epilogue] [sanitize_epilogue]
+#       [bench_module_swap]
 # Installs the checkout editable first (offline: the build needs setuptools>=77 already installed), so
 # everything runs against the installed package; logs go to $OUT.
 set -uo pipefail
@@ -29,6 +30,9 @@ for step in "${steps[@]}"; do
     bench_gemv) timeout 240 python benchmarks/bench_grouped_gemv.py --out "$OUT/bench_grouped_gemv.json" 2>&1 | tail -n 40 ;;
     bench_gemv_epilogue) timeout 240 python benchmarks/bench_grouped_gemv.py --epilogue --workloads qwen3-8b-dflash,qwen3-1layer --tokens 1,16,32,64 --out "$OUT/bench_grouped_gemv_epilogue.json" 2>&1 | tail -n 12 ;;
     bench_module_epilogue) timeout 400 python benchmarks/bench_module.py --seq-lens 1,16,32 --columns ind_graph,frz_graph,sglang_graph,fxf,fxf_graph,fxf_sep,fxf_sep_graph --out "$OUT/module_epilogue" 2>&1 | tail -n 20 ;;
+    tests_epilogue) timeout 300 python -m pytest -q -p no:cacheprovider -k "cuda or gpu" tests/test_k_epilogue.py tests/test_whole_models.py tests/test_rotary_angles.py > "$OUT/pytest_epilogue_cuda.log" 2>&1; tail -n 3 "$OUT/pytest_epilogue_cuda.log" ;;
+    sanitize_epilogue) (cd tests && timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 python gpu_sanitize_cases.py k-epilogue gemv angles) > "$OUT/sanitizer_epilogue.log" 2>&1; echo "sanitizer exit $?"; tail -n 3 "$OUT/sanitizer_epilogue.log" ;;
+    bench_module_swap) timeout 400 python benchmarks/bench_module.py --l2-flush read --seq-lens 1,4,16,32 --columns fxf_graph,fxf_mma_t_graph,fxf_tab_graph,sglang_graph --out "$OUT/module_swap" 2>&1 | tail -n 16 ;;
     bench_module) timeout 540 python benchmarks/bench_module.py --out "$OUT" 2>&1 | tail -n 60 ;;
     host) timeout 240 python benchmarks/host_overhead.py --out "$OUT" 2>&1 | tail -n 60 ;;
     bench_uncaptured) timeout 560 python benchmarks/bench_uncaptured.py --repeats 12 --out "$OUT" 2>&1 | tail -n 24 ;;
