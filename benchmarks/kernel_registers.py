@@ -7,10 +7,10 @@ the pass groups them), every variant of the launch the pass can emit: K norm or 
 from per-token tables or computed in the kernel (one head-wide row per token, or a tile of frequencies).
 The launch's real arguments come from `launch_grouped_gemv` itself (CPU tensors, the interpreter's entry
 point intercepted; its configuration the heuristic's on a Hopper GPU, or each of --configs,
-BLOCK_K:num_warps:num_stages[:swap_ab], 0 or no swap_ab keeping the heuristic's value), the kernel is compiled for sm_90 by Triton's compiler, specialised as
-its JIT specialises a real launch, and cuobjdump reads
-the cubin's resource usage: REG, registers per thread (255 the most), and STACK, bytes of stack per thread
-(spilled registers, plus 32 for the trig functions' slow path with the angles in the kernel).
+BLOCK_K:num_warps:num_stages[:swap_ab], 0 or no swap_ab keeping the heuristic's value). The kernel is
+compiled for sm_90 by Triton's compiler, specialised as its JIT specialises a real launch, and cuobjdump
+reads the cubin's resource usage: REG, registers per thread (255 the most), and STACK, bytes of stack per
+thread (spilled registers, plus 32 for the trig functions' slow path with the angles in the kernel).
 """
 
 from __future__ import annotations

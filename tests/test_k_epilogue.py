@@ -268,7 +268,8 @@ def test_property_interpreter(
 )  # fmt: skip
 def test_epilogue_at_real_widths(layers: int, tokens: int, tables: str, monkeypatch) -> None:
     """Qwen3-8B-like widths on CUDA: layers of 8 heads x 128 over hidden 4096, the launch heuristic's own
-    tiles, pipeline stages and K splits (5 layers unsplit in 4 stages up to 32 tokens, 1 and 4 split),
+    tiles, pipeline stages, K splits (5 layers unsplit in 4 stages up to 32 tokens, 1 and 4 split) and, on
+    Hopper, the weight rows as the MMA's M,
     with cos / sin read from tables or computed in the kernel."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     run_case(Case(tokens=tokens, layers=layers, heads=8, head_dim=128, hidden=4096, tables=tables), "cuda")
