@@ -21,6 +21,7 @@ import os
 import re
 import subprocess
 import tempfile
+import unittest.mock
 
 import torch
 import triton
@@ -57,15 +58,9 @@ def recorded_launches():
         grouped_gemv.grouped_gemv_kernel_interpreted = saved
 
 
-@contextlib.contextmanager
 def hopper_device():
     """grouped_gemv's device queries answering as an H100 / H200 (132 SMs, sm_90) without a GPU."""
-    saved = grouped_gemv._sm_count, grouped_gemv._capability
-    grouped_gemv._sm_count, grouped_gemv._capability = (lambda index: 132), (lambda index: (9, 0))
-    try:
-        yield torch.device("cuda", 0)
-    finally:
-        grouped_gemv._sm_count, grouped_gemv._capability = saved
+    return unittest.mock.patch.multiple(grouped_gemv, _sm_count=lambda index: 132, _capability=lambda index: (9, 0))
 
 
 def launch_arguments(
@@ -86,8 +81,10 @@ def launch_arguments(
     epilogue = KEpilogue(
         k_out, 0, HEADS * HEAD_DIM, HEAD_DIM, norms, None, 1e-6, cos, sin, None, HEAD_DIM, False, 0.0, False, True, angles
     )  # the weights [K_0 .. K_{L-1}, V_0 .. V_{L-1}]: K heads of layer l at columns l * 1024 + h * 128
-    with hopper_device() as cuda:
-        config = grouped_gemv.epilogue_launch_config(tokens, HEADS * HEAD_DIM, HIDDEN, 2 * layers, HEAD_DIM, bf16, cuda)
+    with hopper_device():
+        config = grouped_gemv.epilogue_launch_config(
+            tokens, HEADS * HEAD_DIM, HIDDEN, 2 * layers, HEAD_DIM, bf16, torch.device("cuda", 0)
+        )
     swap_ab = config.get("SWAP_AB", False) if swap_ab is None else swap_ab
     with recorded_launches() as calls:
         launch_grouped_gemv(

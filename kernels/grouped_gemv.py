@@ -63,7 +63,7 @@ MAX_EPILOGUE_TOKENS = 32  # above this, the K norm/RoPE as a kernel of its own i
 # per token, up to MAX_ANGLE_TILE_TOKENS where a tile of frequencies serves (`angle_tile_serves`); past
 # them reading the graph's tables measured faster. A tile from ANGLE_TILE_MIN_TOKENS tokens (level with rows
 # at 2 and 4 tokens, 0.7-1.3 us faster than the tables at 16 and 32: benchmarks/RESULTS.md).
-MAX_ANGLE_TOKENS = 4
+MAX_ANGLE_TOKENS = 4  # a partial rotate-half: cos/sin computed one row per token up to here, tables above
 MAX_ANGLE_TILE_TOKENS = MAX_EPILOGUE_TOKENS
 ANGLE_TILE_MIN_TOKENS = 2
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
