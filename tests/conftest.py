@@ -11,6 +11,17 @@ import torch._inductor.config
 # empty caches on 2 cores took 27.9 min against 33.6 min vectorised.
 torch._inductor.config.cpp.simdlen = 1
 
+MAX_TEST_WORKERS = 8  # each worker imports torch and compiles on its own: beyond this, memory, not speed
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook (`-n auto`); absent without the plugin
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per core, at most MAX_TEST_WORKERS."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, MAX_TEST_WORKERS))
+
 
 @pytest.fixture
 def fresh_compile():
