@@ -2,6 +2,7 @@
 
     python benchmarks/bench_draft_step.py [--quick] [--seq-lens 1,16,128,1024,8192] [--parts context,step]
         [--caches bf16,fp8] [--out DIR]
+    python benchmarks/bench_draft_step.py --fp8-ab ROUNDS [--seq-lens 1024,8192] [--out DIR]
 
 The draft (fx_fusion.draft_step.qwen3_draft_step): 5 Hugging Face Qwen3 decoder layers, Qwen3-8B attention
 sizes (hidden 4096, 32 query / 8 KV heads x 128), bf16, batch 1, a 16-token noise block, per-layer caches
@@ -23,6 +24,12 @@ cache rows written (each byte once), flops = 2*T*hidden*L*2*kv; ceilings measure
 do_bench call of a 1 GiB copy and a bf16 8192^3 matmul). Every column is checked against eager (the step's
 output and the written cache rows, relative error < 2e-2, < 1e-1 with FP8 caches) before it is timed. Writes bench_draft_step.json
 and .md to --out.
+
+--fp8-ab ROUNDS compares the fx_fusion context part with FP8 and with bf16 caches only, CUDA-graphed, in
+ROUNDS rounds that time both (L2 emptied by a read before each call; the order alternating between rounds),
+because the difference (half the cache bytes written) is smaller than the drift between two columns timed
+one after the other: per T, both medians and the median, 10th and 90th percentile of the per-round ratio
+FP8 / bf16, and in how many rounds FP8 was faster. Writes bench_draft_step_fp8_ab.{json,md}.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_module import Timer, capture_graph, log, measure_ceilings, short_error  # noqa: E402
+from bench_whole_model import _percentile  # noqa: E402
 
 import fx_fusion  # noqa: E402,F401  (registers backend="fx_fusion")
 from fx_fusion.diagnostics import RecordSink  # noqa: E402
@@ -120,6 +128,59 @@ def run_column(timer: Timer, step: DraftStep, module, backend: str | None, freez
     return cell
 
 
+def fp8_against_bf16(seq_lens: list[int], rounds: int, device: torch.device) -> list[dict]:
+    """Per T: the fx_fusion context part with bf16 and with FP8 caches, CUDA-graphed, timed in alternating
+    order in each of `rounds` rounds (each cell checked against eager first). On a CPU (a check of the
+    script: small preset, wall-clock times, no graphs) the calls are timed as they are."""
+    timer = Timer(device, warmup=5, rep=25, l2_flush="read")
+    preset = "realistic" if device.type == "cuda" else "small"
+    rows = []
+    for seq_len in seq_lens:
+        replays = {}
+        for name, cache_dtype in (("bf16", None), ("fp8", FP8)):
+            step = qwen3_draft_step(LAYERS, preset=preset, max_len=seq_len + 2 * BLOCK, dtype=torch.bfloat16,
+                                    device=device, cache_dtype=cache_dtype, cache_scale=0.05)  # fmt: skip
+            inputs = draft_step_inputs(step, ctx_tokens=seq_len, block_size=BLOCK)
+            module = ContextPart(step)
+            step.reset_caches()
+            ref = snapshot(step, module(*inputs), seq_len)
+            torch._dynamo.reset()
+            with torch._inductor.config.patch(fx_graph_cache=False):
+                fn = torch.compile(module, backend="fx_fusion", dynamic=False)
+                step.reset_caches()
+                err = rel_error(snapshot(step, fn(*inputs), seq_len), ref)
+                tol = 2e-2 if cache_dtype is None else 1e-1
+                if not err < tol:
+                    raise RuntimeError(f"{name} caches, T={seq_len}: relative error {err:.3g} against eager")
+                call = lambda fn=fn, inputs=inputs: fn(*inputs)  # noqa: E731
+                replays[name] = capture_graph(call, device) if device.type == "cuda" else call
+        times = {"bf16": [], "fp8": []}
+        for r in range(rounds):
+            for name in ("bf16", "fp8") if r % 2 == 0 else ("fp8", "bf16"):
+                times[name].append(timer(replays[name]))
+        ratios = sorted(f / b for f, b in zip(times["fp8"], times["bf16"]))
+        median = {name: _percentile(sorted(t), 0.5) for name, t in times.items()}
+        row = {"T": seq_len, "rounds": rounds, **{f"{n}_us": m for n, m in median.items()},
+               "ratio_median": _percentile(ratios, 0.5), "ratio_p10": _percentile(ratios, 0.1),
+               "ratio_p90": _percentile(ratios, 0.9), "fp8_faster_rounds": sum(x < 1 for x in ratios), "times_us": times}  # fmt: skip
+        log(f"fp8 vs bf16 T={seq_len}: {row['bf16_us']:.1f} / {row['fp8_us']:.1f} us, ratio {row['ratio_median']:.3f} "
+            f"[{row['ratio_p10']:.3f}-{row['ratio_p90']:.3f}], fp8 faster in {row['fp8_faster_rounds']}/{rounds}")  # fmt: skip
+        rows.append(row)
+        del replays
+    return rows
+
+
+def fp8_ab_markdown(rows: list[dict], device_name: str) -> str:
+    lines = [f"# fx_fusion's context part: FP8 against bf16 caches on {device_name} (torch {torch.__version__})", "",
+             ("CUDA-graphed, L2 emptied by a read before each call" if device_name != "cpu" else "A check of the script: wall-clock, small preset")
+             + "; both columns timed in every round, order alternating.", "",
+             "| T | bf16 us | FP8 us | FP8 / bf16, median of rounds [p10-p90] | FP8 faster in |", "|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in rows:
+        lines.append(f"| {r['T']} | {r['bf16_us']:.1f} | {r['fp8_us']:.1f} | {r['ratio_median']:.3f} "
+                     f"[{r['ratio_p10']:.3f}-{r['ratio_p90']:.3f}] | {r['fp8_faster_rounds']}/{r['rounds']} rounds |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="T = 1, 1024, 8192 only; no frozen column for the step")
@@ -128,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--caches", default="bf16,fp8", help="bf16, fp8 or both")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--device", default="cuda", help="cuda (a cpu run only checks the script: small preset)")
+    parser.add_argument("--fp8-ab", type=int, default=0, metavar="ROUNDS",
+                        help="only compare fx_fusion's context part with FP8 and bf16 caches, in ROUNDS interleaved rounds")
     parser.add_argument("--plot", nargs="+", metavar="JSON", help="only plot these results into --out/bench_draft_step.png")
     args = parser.parse_args(argv)
     if args.plot:
@@ -135,6 +198,18 @@ def main(argv: list[str] | None = None) -> int:
         print(plot(rows, os.path.join(args.out, "bench_draft_step.png")))
         return 0
     device = torch.device(args.device)
+    if args.fp8_ab:
+        torch.set_grad_enabled(False)
+        rows = fp8_against_bf16([int(t) for t in (args.seq_lens or "1024,8192").split(",")], args.fp8_ab, device)
+        name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_draft_step_fp8_ab.json"), "w") as f:
+            json.dump({"meta": {"device": name, "torch": torch.__version__}, "rows": rows}, f, indent=1)
+        text = fp8_ab_markdown(rows, name)
+        with open(os.path.join(args.out, "bench_draft_step_fp8_ab.md"), "w") as f:
+            f.write(text)
+        print(text)
+        return 0
     preset = "realistic" if device.type == "cuda" else "small"
     seq_lens = [int(t) for t in (args.seq_lens or ("1,1024,8192" if args.quick else "1,16,128,1024,8192")).split(",")]
     timer = Timer(device, warmup=10, rep=100)
