@@ -15,10 +15,12 @@ layer). Caches: bf16, or FP8 e4m3 with a per-tensor scale (`(k / k_scale).to(fp8
 FP8 rows have the inductor and fx_fusion columns only. Columns (median us of triton.testing.do_bench, plain and CUDA-graphed: the warmed-up callable captured in a
 torch.cuda.CUDAGraph, replays timed):
     inductor   torch.compile(m)                       frozen   the same with Inductor freezing
-    fx_fusion  torch.compile(m, backend="fx_fusion")   sglang   context only: K/V weights stacked once,
-               (its context group fused, the cache                one GEMM, the fused op, then each layer's
-               writes absorbed: one GEMM + one kernel)            index_copy_ into its cache (SGLang's
-                                                                  order), compiled with torch.compile
+    fx_fusion  torch.compile(m, backend="fx_fusion")   sglang   the context part hand-fused: K/V weights
+               (its context group fused, the cache                stacked once, one GEMM, the fused op,
+               writes absorbed: one GEMM + one kernel)            then each layer's index_copy_ into its
+                                                                  cache (SGLang's order); in the step, the
+                                                                  same block part after it; compiled with
+                                                                  torch.compile
 floor (context): max(bytes / copy bandwidth, flops / matmul rate), bytes = hidden states + K/V weights + the
 cache rows written (each byte once), flops = 2*T*hidden*L*2*kv; ceilings measured in this run (fastest
 do_bench call of a 1 GiB copy and a bf16 8192^3 matmul). Every column is checked against eager (the step's
@@ -82,6 +84,19 @@ class SGLangContext(torch.nn.Module):
             cache.k.index_copy_(2, cache_position, outputs[2 * i])
             cache.v.index_copy_(2, cache_position, outputs[2 * i + 1])
         return cache_position
+
+
+class SGLangStep(torch.nn.Module):
+    """The whole step with the hand-fused context part (`SGLangContext`), then the same block part."""
+
+    def __init__(self, step: DraftStep) -> None:
+        super().__init__()
+        self.step = step
+        self.context = SGLangContext(step)
+
+    def forward(self, target_hidden, ctx_positions, noise, block_positions):
+        cache_position = self.context(target_hidden, ctx_positions, noise, block_positions)
+        return self.step.attend_block(noise, block_positions, cache_position)
 
 
 def floor_us(step: DraftStep, seq_len: int, ceilings: dict) -> dict[str, float]:
@@ -234,8 +249,9 @@ def main(argv: list[str] | None = None) -> int:
                 columns = {"inductor": (module, "inductor", False)}
                 if cache_dtype is None and not (args.quick and part == "step"):
                     columns["frozen"] = (module, "inductor", True)
-                if part == "context" and cache_dtype is None:
-                    columns["sglang"] = (SGLangContext(step), "inductor", False)
+                if cache_dtype is None:
+                    hand_fused = SGLangContext(step) if part == "context" else SGLangStep(step)
+                    columns["sglang"] = (hand_fused, "inductor", False)
                 columns["fx_fusion"] = (module, "fx_fusion", False)
                 for name, (mod, backend, freezing) in columns.items():
                     try:

@@ -131,7 +131,13 @@ class DraftStep(nn.Module):
         noise: torch.Tensor,
         block_positions: torch.Tensor,
     ) -> torch.Tensor:
-        cache_position = self.write_context(target_hidden, ctx_positions)
+        return self.attend_block(noise, block_positions, self.write_context(target_hidden, ctx_positions))
+
+    def attend_block(
+        self, noise: torch.Tensor, block_positions: torch.Tensor, cache_position: torch.Tensor
+    ) -> torch.Tensor:
+        """The block part alone: the draft layers over the noise block, each attending to its cache rows
+        below `cache_position.max() + 1` (what `write_context` returned) and to the block itself."""
         key_rows = torch.arange(self.max_len + noise.shape[1], device=noise.device).view(1, -1)
         visible = (key_rows <= cache_position.max()) | (key_rows >= self.max_len)  # [1, max_len + S]
         cos_sin = self.rotary_emb(noise, block_positions)
