@@ -1,32 +1,41 @@
-"""Push a concatenation of projections along tokens down through the per-token ops that follow it.
+"""Push a concatenation along tokens down through the per-token ops that follow it.
 
-The z-lab DFlash reference draft concatenates each layer's context K (projected from the target's hidden
-states, the same input for every layer) with its noise-block K along tokens *before* the K norm and RoPE:
+DFlash drafts join each layer's context rows (from the target's hidden states, the same input for every
+layer) and its noise-block rows along tokens, in three places that public drafts use:
 
-    k = cat([k_proj(target_hidden), k_proj(noise)], dim=1).view(B, ctx + q, H, D) -> k_norm -> RoPE
+    z-lab:      k = cat([k_proj(target_hidden), k_proj(noise)], dim=1).view(B, ctx + q, H, D) -> k_norm -> RoPE
+    normed:     k = cat([k_norm(k_proj(target_hidden).view(..)), k_norm(k_proj(noise).view(..))], dim=1) -> RoPE
+    inputs:     k = k_proj(cat([target_hidden, noise], dim=1)).view(..) -> k_norm -> RoPE
 
 Every op after that cat treats each token on its own, so it equals `cat([f(ctx), f(noise)], dim)`: the
 same ops applied to each piece, with the cos/sin rows of that piece. This module rewrites the graph that
 way; each piece's chain is then an ordinary K branch, and the context pieces of all layers fuse into one
-group while the noise rows keep their own path. A piece may be a projection's output or columns cut from
-it (K and V of a fused kv/qkv linear).
+group while the noise rows keep their own path. A cat is pushed when one of its pieces is a projection's
+output (or columns cut from it: K and V of a fused kv/qkv linear), when every piece is computed token by
+token from projections, or when it feeds a projection (a linear is per token too) and another such cat
+shares a piece with it (the context rows that every layer reads).
 
-The pushed region is every node reachable from the cat through ops that keep the cat's axis an axis of
-its own: elementwise ops (other operands used as they broadcast, cut to the piece's rows where they run
-along the axis), casts, copies, reductions over other dims, permutes, unsqueezes, reshapes that keep every
-dim up to the axis, and cuts and cats along other dims. Each new node's shape is checked against the
-original's with the axis resized; anything else stops the region, and its users get the pieces
-concatenated back. All of it is exact (the same elements through the same ops); a region that cannot be
-pushed is left as it was. Piece lengths may be symbolic (a dynamic token count): the rows of a piece are
-then cut and sized by the graph's own size nodes, and shapes are compared as expressions.
+The pushed region is every node reachable from the cat through ops that keep each token's values apart:
+elementwise ops (other operands used as they broadcast, cut to the piece's rows where they run along the
+axis), casts, copies, reductions over other dims, linears over the rows, permutes, unsqueezes, cuts and
+cats along other dims, and reshapes. A reshape may fold the tokens into a wider dim with the dims beside
+them (`k.reshape(-1, D)` of a [B, T, H, D] K: rows ordered batch, token, head) and a later one unfold them;
+each piece is reshaped the same way with its own row count. Each new node's shape is checked against the
+original's with the tokens resized; anything else stops the region, and its users get the pieces joined
+back (a folded dim joined through a view that exposes the tokens). All of it is exact (the same elements
+through the same ops); a region that cannot be pushed, or a rewrite that fails, leaves the graph as it
+was. Piece lengths may be symbolic (a dynamic token count): the rows of a piece are then cut and sized by
+the graph's own size nodes, and shapes are compared as expressions.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import operator
 from typing import Optional
 
+import sympy
 import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
@@ -37,6 +46,7 @@ from .values import RESHAPES
 
 aten = torch.ops.aten
 prims = torch.ops.prims
+logger = logging.getLogger(__name__)
 
 _UNARY = (
     prims.convert_element_type.default,
@@ -67,6 +77,11 @@ class _Stop(Exception):
     """This node cannot be computed piece by piece."""
 
 
+_MOVES = (aten.permute.default, aten.transpose.int, aten.unsqueeze.default)
+_PER_TOKEN = (*_UNARY, *_BINARY, *_REDUCTIONS, *RESHAPES, *_MOVES, *_CUTS, operator.getitem, aten.cat.default)
+_FROM_PROJECTION_NODES = 48  # how far back a piece is walked to its projections (an RMSNorm is ~12 nodes)
+
+
 def _projection_of(piece: torch.fx.Node) -> Optional[torch.fx.Node]:
     """The projection whose output (or columns of it: K cut from a fused kv/qkv linear) `piece` is,
     reshaped (its rows split into leading dims), else None."""
@@ -74,6 +89,46 @@ def _projection_of(piece: torch.fx.Node) -> Optional[torch.fx.Node]:
     while is_call(node, *RESHAPES) or kv_patterns.column_range(node) is not None:
         node = node.args[0] if is_call(node, *RESHAPES) else kv_patterns.column_range(node)[0]
     return node if is_call(node, *PROJECTION_OPS) else None
+
+
+def _computed_from_projections(piece: torch.fx.Node) -> bool:
+    """Whether walking back from `piece` through per-token ops (a K norm, say) reaches a projection."""
+    seen, stack = set(), [piece]
+    while stack and len(seen) < _FROM_PROJECTION_NODES:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if _projection_of(node) is not None:
+            return True
+        if is_call(node, *_PER_TOKEN):
+            stack.extend(node.all_input_nodes)
+    return False
+
+
+def _row_input_index(node: torch.fx.Node) -> Optional[int]:
+    """Which argument of a projection holds its input rows (mm: 0, addmm: 1)."""
+    return {aten.mm.default: 0, aten.addmm.default: 1}.get(node.target) if node.op == "call_function" else None
+
+
+def _reshapes_of(node: torch.fx.Node) -> set:
+    """`node` and every reshape of it, of a reshape of it, ..."""
+    found, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        found.add(current)
+        stack.extend(u for u in current.users if is_call(u, *RESHAPES) and u not in found)
+    return found
+
+
+def _feeds_projection(cat: torch.fx.Node) -> bool:
+    """Whether `cat`, or a reshape of it, is the input rows of a projection."""
+    for node in _reshapes_of(cat):
+        for user in node.users:
+            index = _row_input_index(user)
+            if index is not None and user.args[index] is node:
+                return True
+    return False
 
 
 def _token_axis_cat(node: torch.fx.Node) -> Optional[int]:
@@ -96,8 +151,28 @@ def _as_int(size):
     return int(size) if is_concrete_int(size) else size
 
 
+def _exact_ratio(size, divisor):
+    """size / divisor, an int or a symbolic size, when it divides at every size the graph may run with;
+    else None."""
+    hint, hinted_divisor = kv_patterns.size_hint(size), kv_patterns.size_hint(divisor)
+    if hinted_divisor <= 0 or hint % hinted_divisor or hint < hinted_divisor:
+        return None
+    ratio = _as_int(size // divisor)
+    return ratio if same_size(ratio * divisor, size) else None
+
+
+UNFOLDED = (1, 1)
+
+
+def _same_fold(a: tuple, b: tuple) -> bool:
+    """Folds equal at every size (compared without guarding a symbolic size)."""
+    return all(map(same_size, a, b))
+
+
 class _Pusher:
-    """Builds each region node once per piece; `axis[node]` is where the cat's axis sits in `node`."""
+    """Builds each region node once per piece. `axis[node]` is the dim of `node` that holds the cat's
+    tokens; `fold[node]` = (x, y) when that dim holds dims beside them too: it enumerates (x, tokens, y)
+    in row-major order (UNFOLDED: a dim of their own). x and y are ints or symbolic sizes."""
 
     def __init__(self, graph: torch.fx.Graph, cat: torch.fx.Node, dim: int):
         self.graph, self.cat = graph, cat
@@ -106,7 +181,8 @@ class _Pusher:
         self.total = self.bounds[-1][1]
         self.pieces: dict[torch.fx.Node, list] = {cat: list(cat.args[0])}
         self.axis: dict[torch.fx.Node, int] = {cat: dim}
-        self.dim = dim
+        self.fold: dict[torch.fx.Node, tuple] = {cat: UNFOLDED}
+        self.row_inputs = _reshapes_of(cat)  # what a projection may read piece by piece: the cat's own rows
         self.created: list[torch.fx.Node] = []
         self._sizes: dict = {}  # graph values of symbolic bounds, built once
         self._symbols = kv_patterns.symbol_inputs(graph)
@@ -119,8 +195,37 @@ class _Pusher:
             return _as_int(end - start)
         if ("length", piece) not in self._sizes:
             symbol = self._symbols.get((end - start).node.expr)
-            self._sizes[("length", piece)] = symbol or self.call(aten.sym_size.int, [self.cat.args[0][piece], self.dim])
+            dim = self.axis[self.cat]
+            self._sizes[("length", piece)] = symbol or self.call(aten.sym_size.int, [self.cat.args[0][piece], dim])
         return self._sizes[("length", piece)]
+
+    def rows(self, piece: int, fold: tuple) -> object:
+        """Piece's size of a dim that holds its tokens folded as `fold`."""
+        return self.product([fold[0], self.length(piece), fold[1]])
+
+    def product(self, factors: list) -> object:
+        """The product of sizes as the graph spells it: an int, or a node of the graph."""
+        spelled = [self.spell(f) if not isinstance(f, torch.fx.Node) else f for f in factors]
+        number = math.prod(f for f in spelled if isinstance(f, int))
+        nodes = [f for f in spelled if not isinstance(f, int)]
+        if not nodes:
+            return number
+        result = nodes[0]
+        for node in nodes[1:]:
+            result = self.call(operator.mul, [result, node])
+        return result if number == 1 else self.call(operator.mul, [result, number])
+
+    def spell(self, size) -> object:
+        """An int, or a graph node holding a symbolic size: an input of the graph, or a product of them."""
+        size = _as_int(size)
+        if isinstance(size, int):
+            return size
+        expr = size.node.expr
+        if expr in self._symbols:
+            return self._symbols[expr]
+        if not isinstance(expr, sympy.Mul) or not all(f.is_Integer or f in self._symbols for f in expr.args):
+            raise _Stop(f"size {expr} has no spelling in the graph")
+        return self.product([int(f) if f.is_Integer else self._symbols[f] for f in expr.args])
 
     def start(self, piece: int):
         """Piece's first row along the cat: an int, or the sum of the earlier pieces' size nodes."""
@@ -138,12 +243,17 @@ class _Pusher:
         node.meta["val"] = target(*fake_args, **fake_kwargs)
         return node
 
-    def operand(self, arg, piece: int, out_rank: int, out_axis: int):
+    def erase(self) -> None:
+        for node in reversed(self.created):
+            self.graph.erase_node(node)
+        self.created.clear()
+
+    def operand(self, arg, piece: int, out_rank: int, out_axis: int, fold: tuple):
         """A non-region operand of an elementwise op, cut to the piece's rows where it runs along the axis."""
         if not isinstance(arg, torch.fx.Node):
             return arg
         if arg in self.pieces:
-            if self.axis[arg] + out_rank - val(arg).dim() != out_axis:
+            if self.axis[arg] + out_rank - val(arg).dim() != out_axis or not _same_fold(self.fold[arg], fold):
                 raise _Stop("pieces on different axes")
             return self.pieces[arg][piece]
         shape = _shape(arg)
@@ -152,7 +262,7 @@ class _Pusher:
         aligned = out_axis - (out_rank - len(shape))
         if aligned < 0 or same_size(shape[aligned], 1):
             return arg
-        if not same_size(shape[aligned], self.total):
+        if not _same_fold(fold, UNFOLDED) or not same_size(shape[aligned], self.total):
             raise _Stop("operand does not run along the tokens")
         start, length = self.start(piece), self.length(piece)
         if isinstance(start, int) and isinstance(length, int):
@@ -161,17 +271,43 @@ class _Pusher:
             end = length if start == 0 else self.call(operator.add, [start, length])
         return self.call(aten.slice.Tensor, [arg, aligned, start, end])
 
+    def token_dim(self, after: list, outer, inner) -> tuple[int, tuple]:
+        """(dim, fold) of the tokens in a reshape's result whose elements run (outer, tokens, inner) in
+        row-major order."""
+        prefix = 1
+        for j, size in enumerate(after):
+            if same_size(prefix, outer) and same_size(size, self.total):
+                return j, UNFOLDED
+            x = _exact_ratio(outer, prefix)
+            y = None if x is None else _exact_ratio(size, x * self.total)
+            if y is not None and same_size(y * math.prod(after[j + 1 :]), inner):
+                return j, (x, y)
+            prefix = prefix * size
+        raise _Stop("reshape moves the tokens")
+
     def push(self, node: torch.fx.Node) -> None:
         """Pieces of `node` (one of its tensor inputs in the region); raises _Stop when it must stay whole."""
         target, args = node.target, list(node.args)
         source = args[0] if args and isinstance(args[0], torch.fx.Node) else None
         full = _shape(node)
+        fold = self.fold.get(source, UNFOLDED)
         if target in _BINARY:
-            axes = {self.axis[a] + val(node).dim() - val(a).dim() for a in args[:2] if a in self.pieces}
-            if len(axes) != 1 or full is None:
+            keys = [(self.axis[a] + val(node).dim() - val(a).dim(), self.fold[a]) for a in args[:2] if a in self.pieces]
+            if full is None or any(k[0] != keys[0][0] or not _same_fold(k[1], keys[0][1]) for k in keys):
                 raise _Stop("operands on different axes")
-            (axis,) = axes
-            made = [self.call(target, [self.operand(a, i, len(full), axis) for a in args], node.kwargs) for i in range(len(self.bounds))]
+            axis, fold = keys[0]
+            made = [
+                self.call(target, [self.operand(a, i, len(full), axis, fold) for a in args], node.kwargs)
+                for i in range(len(self.bounds))
+            ]
+        elif target in PROJECTION_OPS:  # a linear over the cat's rows: one per piece
+            index = _row_input_index(node)
+            rows = args[index]
+            others = [a for i, a in enumerate(args) if i != index]
+            if rows not in self.row_inputs or self.axis.get(rows) != 0 or any(a in self.pieces for a in others):
+                raise _Stop("not a linear over the cat's rows")
+            axis, fold = 0, self.fold[rows]
+            made = [self.call(target, args[:index] + [p] + args[index + 1 :], node.kwargs) for p in self.pieces[rows]]
         elif target is not aten.cat.default and (
             source not in self.pieces or any(isinstance(a, torch.fx.Node) and a in self.pieces for a in args[1:])
         ):
@@ -187,22 +323,17 @@ class _Pusher:
                 raise _Stop("reduces over the tokens")
             axis -= 0 if keep else sum(1 for d in dims if d % rank < axis)
             made = [self.call(target, [p] + args[1:], node.kwargs) for p in self.pieces[source]]
-        elif target in RESHAPES:  # the axis must stay one dim, with the same elements before it
-            before, after = _shape(source), full
-            outer = math.prod(before[: self.axis[source]])
-            found = [
-                j for j in range(len(after))
-                if same_size(math.prod(after[:j]), outer) and same_size(after[j], before[self.axis[source]])
-            ]  # fmt: skip
-            if not found:
-                raise _Stop("reshape moves the tokens")
-            axis = found[0]
-            # the shape as the graph spells it (its size nodes), the axis resized to the piece's rows
-            spelled = list(args[1]) if len(args[1]) == len(after) else list(after)
+        elif target in RESHAPES:  # the elements keep their order: find where the tokens sit in the result
+            before, at = _shape(source), self.axis[source]
+            outer = math.prod(before[:at]) * fold[0]
+            inner = fold[1] * math.prod(before[at + 1 :])
+            axis, fold = self.token_dim(full, outer, inner)
+            # the shape as the graph spells it (its size nodes), the tokens' dim resized to the piece's rows
+            spelled = list(args[1]) if len(args[1]) == len(full) else list(full)
             made = []
             for i, piece in enumerate(self.pieces[source]):
                 shape = list(spelled)
-                shape[axis] = self.length(i)
+                shape[axis] = self.rows(i, fold)
                 made.append(self.call(target, [piece, shape]))
         elif target is aten.permute.default:
             axis = list(args[1]).index(self.axis[source])
@@ -228,58 +359,99 @@ class _Pusher:
         elif target is aten.cat.default:  # rotate_half's cat(-x2, x1) along another dim
             parts, rank = list(args[0]), val(node).dim()
             dim = (args[1] if len(args) > 1 else 0) % rank
-            if not all(p in self.pieces and self.axis[p] == self.axis[parts[0]] for p in parts):
+            if not all(p in self.pieces and self.axis[p] == self.axis[parts[0]] and _same_fold(self.fold[p], self.fold[parts[0]]) for p in parts):
                 raise _Stop("joins region and non-region values")
-            axis = self.axis[parts[0]]
+            axis, fold = self.axis[parts[0]], self.fold[parts[0]]
             if dim == axis:
                 raise _Stop("joins along the tokens")
             made = [self.call(target, [[self.pieces[p][i] for p in parts], dim]) for i in range(len(self.bounds))]
         else:
             raise _Stop(f"{target} is not pushed")
-        self._check(node, made, axis)
-        self.pieces[node], self.axis[node] = made, axis
+        self._check(node, made, axis, fold)
+        self.pieces[node], self.axis[node], self.fold[node] = made, axis, fold
 
-    def _check(self, node: torch.fx.Node, made: list, axis: int) -> None:
-        """Each piece has the node's shape with the axis resized (lists: element by element)."""
+    def _check(self, node: torch.fx.Node, made: list, axis: int, fold: tuple) -> None:
+        """Each piece has the node's shape with the tokens resized (lists: element by element)."""
         full = val(node)
         for piece, (start, end) in zip(made, self.bounds):
             got = piece.meta["val"]
             pairs = zip(got, full) if isinstance(full, (list, tuple)) else [(got, full)]
             for g, f in pairs:
                 expected = list(f.shape)
-                expected[axis] = end - start
+                expected[axis] = (end - start) * fold[0] * fold[1]
                 if len(g.shape) != len(expected) or not all(map(same_size, g.shape, expected)) or g.dtype != f.dtype:
                     raise _Stop("piece shape")
 
+    def join(self, node: torch.fx.Node) -> torch.fx.Node:
+        """`node`'s whole value from its pieces: a cat along the tokens, through a view that exposes them
+        where they are folded with other dims."""
+        axis, (x, y), pieces = self.axis[node], self.fold[node], self.pieces[node]
+        if _same_fold((x, y), UNFOLDED):
+            return self.call(aten.cat.default, [pieces, axis])
+        # the other dims as the pieces have them (a symbolic one read off the first piece)
+        dims = [
+            _as_int(size) if is_concrete_int(size) else self.call(aten.sym_size.int, [pieces[0], j])
+            for j, size in enumerate(val(node).shape)
+        ]
+        exposed = [
+            self.call(aten.view.default, [p, dims[:axis] + [self.spell(x), self.length(i), self.spell(y)] + dims[axis + 1 :]])
+            for i, p in enumerate(pieces)
+        ]
+        joined = self.call(aten.cat.default, [exposed, axis + 1])
+        return self.call(aten.view.default, [joined, dims[:axis] + [-1] + dims[axis + 1 :]])
 
-def _join_cat(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int]]:
-    """(cat, dim) for a cat of projection outputs along a token axis."""
-    dim = _token_axis_cat(node)
-    if dim is None:
-        return None
-    return (node, dim) if any(_projection_of(p) is not None for p in node.args[0]) else None
+
+def _pushable_cats(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, int]]:
+    """(cat, dim) for each cat along a token axis of projection outputs, of values computed token by
+    token from projections, or of a projection's input rows that another such cat shares a piece with
+    (the context rows every layer reads: pushed, each layer's linear of them can join one group; a cat
+    of inputs that nothing shares, a batch joined for one projection say, stays whole)."""
+    cats = [(node, _token_axis_cat(node)) for node in graph.nodes if _token_axis_cat(node) is not None]
+    feeding = [cat for cat, _ in cats if _feeds_projection(cat)]
+
+    def shares_a_piece(cat: torch.fx.Node) -> bool:
+        return any(other is not cat and set(other.args[0]) & set(cat.args[0]) for other in feeding)
+
+    return [
+        (cat, dim)
+        for cat, dim in cats
+        if any(_projection_of(p) is not None for p in cat.args[0])
+        or all(map(_computed_from_projections, cat.args[0]))
+        or (cat in feeding and shares_a_piece(cat))
+    ]
 
 
 def push_token_cats(graph: torch.fx.Graph) -> int:
     """Rewrite every pushable region (module docstring); returns how many cats were pushed down."""
     pushed = 0
-    for cat in [n for n in graph.nodes if _join_cat(n)]:
+    for cat, dim in _pushable_cats(graph):
         order = {n: i for i, n in enumerate(graph.nodes)}
-        pusher = _Pusher(graph, cat, _join_cat(cat)[1])
-        region = _grow(graph, pusher, order)
+        pusher = _Pusher(graph, cat, dim)
+        try:
+            region = _grow(graph, pusher, order)
+            joins = _joins(pusher, region, order) if len(region) > 1 else {}
+        except Exception:  # a graph shape not foreseen: never fail a compile, leave this cat as it was
+            logger.debug("fx_fusion: token cat %s left as it was", cat, exc_info=True)
+            region, joins = {cat}, {}
         if len(region) == 1:  # nothing after the cat could be pushed: leave it as it was
-            for node in reversed(pusher.created):
-                graph.erase_node(node)
+            pusher.erase()
             continue
-        for node in sorted(region - {cat}, key=order.get):
-            outside = [u for u in node.users if u not in region]
-            if not outside:
-                continue
-            with graph.inserting_before(min(outside, key=order.get)):
-                joined = pusher.call(aten.cat.default, [pusher.pieces[node], pusher.axis[node]])
+        for node, joined in joins.items():
             node.replace_all_uses_with(joined, delete_user_cb=lambda user: user not in region and user is not joined)
         pushed += 1
     return pushed
+
+
+def _joins(pusher: _Pusher, region: set, order: dict) -> dict:
+    """{region node: its pieces joined}, for each region node read outside the region (before its first
+    such reader)."""
+    joins = {}
+    for node in sorted(region - {pusher.cat}, key=order.get):
+        outside = [u for u in node.users if u not in region]
+        if outside:
+            with pusher.graph.inserting_before(min(outside, key=order.get)):
+                joins[node] = pusher.join(node)
+    return joins
 
 
 def _grow(graph: torch.fx.Graph, pusher: _Pusher, order: dict) -> set:

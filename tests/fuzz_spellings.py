@@ -6,8 +6,8 @@ split in two, or K and V cut from a qkv linear by slices), lays K out as [B, T, 
 no upcast) and rotates it (rotate_half by slices or chunk, vLLM's native halves, GPT-J pairs; full or
 partial) with cos/sin computed from the positions or gathered from a cat(cos, sin) cache. Optional: bias,
 V transposed, the raw K returned too, one norm weight shared by every layer, a dynamic token count, and
-z-lab DFlash's token concatenation (each layer's K and V joined with a noise block's along tokens before
-the norm and RoPE). One layer may deviate in eps, rope base, the rotary style or width, the norm, or read
+a DFlash token concatenation: each layer's context rows joined with a noise block's along tokens, at its
+projections (z-lab), after the K norm of each piece, or at the projections' input rows. One layer may deviate in eps, rope base, the rotary style or width, the norm, or read
 the hidden states flipped: grouping must tell those apart by value. `check(seed)` compiles a draft with FusedKVPass and
 with stock Inductor and compares both with eager.
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,7 @@ HIDDEN, HEADS, HEAD_DIM, MAX_POS = 64, 2, 16, 64
 NOISE_TOKENS = 2  # a token-cat draft's noise block
 ROPES = ("slices", "chunk", "vllm", "gptj")
 NORMS = ("none", "hf", "f_rms_norm", "gemma", "no_upcast")
+TOKEN_CAT_PLACES = ("projections", "normed", "inputs")  # where a token-cat draft joins context and noise rows
 
 
 def _inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
@@ -95,30 +97,43 @@ class FuzzLayer(nn.Module):
         emb = torch.cat((freqs, freqs), -1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, x, positions, noise=None):
+    def forward(self, x, positions, noise=None, joined_at=None):
+        """`noise` and `joined_at` (a TOKEN_CAT_PLACES entry): a token-cat draft's noise rows and where they
+        join the context's."""
         spec = self.spec
-        k, v = self.project(x.flip(0) if spec["flip_x"] else x)
-        if noise is not None:  # z-lab DFlash: joined with the noise block's along tokens, before the norm
+        x = x.flip(0) if spec["flip_x"] else x
+        if joined_at == "inputs":  # one projection of the context and noise rows joined
+            x = torch.cat([x, noise], dim=1)
+        k, v = self.project(x)
+        heads = lambda t: t.view(*t.shape[:2], HEADS, HEAD_DIM)  # noqa: E731
+        if joined_at in ("projections", "normed"):
             k_noise, v_noise = self.project(noise)
-            k, v = torch.cat([k, k_noise], dim=1), torch.cat([v, v_noise], dim=1)
-        batch, tokens = k.shape[:2]
-        k, v = k.view(batch, tokens, HEADS, HEAD_DIM), v.view(batch, tokens, HEADS, HEAD_DIM)
-        raw = k
+            v = torch.cat([v, v_noise], dim=1)
+            if joined_at == "projections":  # z-lab DFlash: joined before the norm
+                k = torch.cat([k, k_noise], dim=1)
+            else:  # each piece normed on its own, joined before the RoPE
+                raw = torch.cat([heads(k), heads(k_noise)], dim=1)
+                k = torch.cat([self.norm(heads(k)), self.norm(heads(k_noise))], dim=1)
+        v = heads(v)
+        if joined_at != "normed":
+            k = raw = heads(k)
         cos, sin = self.tables(positions, x.dtype)
+        norm = (lambda t: t) if joined_at == "normed" else self.norm
         if spec["layout"] == "bthd":
-            k = self.rotate(self.norm(k), cos[None, :, None], sin[None, :, None])
+            k = self.rotate(norm(k), cos[None, :, None], sin[None, :, None])
         else:
-            k = self.norm(k.transpose(1, 2)) if spec["layout"] == "bhtd" else self.norm(k).transpose(1, 2)
+            k = norm(k.transpose(1, 2)) if spec["layout"] == "bhtd" else norm(k).transpose(1, 2)
             k = self.rotate(k, cos[None, None], sin[None, None])
         v = v.transpose(1, 2) if spec["v_transposed"] else v
         return (k, v, raw) if spec["raw_k"] else (k, v)
 
 
 class FuzzDraft(nn.Module):
-    def __init__(self, specs: list[dict], shared_norm: bool, token_cat: bool = False):
+    def __init__(self, specs: list[dict], shared_norm: bool, token_cat_at: Optional[str] = None):
         super().__init__()
+        self.token_cat_at = token_cat_at
         self.layers = nn.ModuleList(FuzzLayer(spec) for spec in specs)
-        self.noise = nn.Buffer(torch.randn(1, NOISE_TOKENS, HIDDEN)) if token_cat else None
+        self.noise = nn.Buffer(torch.randn(1, NOISE_TOKENS, HIDDEN)) if token_cat_at else None
         weighted = [layer for layer in self.layers if layer.norm_weight is not None]
         for layer in weighted[1:] if shared_norm else []:
             layer.norm_weight = weighted[0].norm_weight
@@ -128,7 +143,7 @@ class FuzzDraft(nn.Module):
         if self.noise is not None:  # the noise block's positions follow the context's
             noise = self.noise.expand(x.shape[0], -1, -1)
             positions = torch.cat([positions, positions[-1] + 1 + torch.arange(NOISE_TOKENS)])
-        return tuple(out for layer in self.layers for out in layer(x, positions, noise))
+        return tuple(out for layer in self.layers for out in layer(x, positions, noise, self.token_cat_at))
 
 
 def draw(seed: int) -> dict:
@@ -151,6 +166,7 @@ def draw(seed: int) -> dict:
     return dict(
         specs=specs, shared_norm=rng.random() < 0.3, tokens=rng.choice([1, 3, 5]), batch=rng.choice([1, 2]),
         dtype=rng.choice(["float32", "bfloat16"]), dynamic=rng.random() < 0.2, token_cat=rng.random() < 0.2,
+        token_cat_at=rng.choice(TOKEN_CAT_PLACES),
     )  # fmt: skip
 
 
@@ -164,7 +180,7 @@ def check(seed: int) -> tuple[dict, fx_fusion.FusedKVPass, float, float]:
     drawn = draw(seed)
     dtype = getattr(torch, drawn["dtype"])
     torch.manual_seed(seed)
-    draft = FuzzDraft(drawn["specs"], drawn["shared_norm"], drawn["token_cat"]).to(dtype).eval()
+    draft = FuzzDraft(drawn["specs"], drawn["shared_norm"], drawn["token_cat_at"] if drawn["token_cat"] else None).to(dtype).eval()
     x = torch.randn(drawn["batch"], drawn["tokens"], HIDDEN, dtype=dtype)
     positions = torch.arange(drawn["tokens"]) + 3
     fused_kv_pass = fx_fusion.FusedKVPass()

@@ -1176,6 +1176,56 @@ def build_zlab_dflash(dtype, per_layer_noise=False, batch=BATCH, tokens=TOKENS, 
 
 
 # ----------------------------------------------------------------------------------------------------------
+# 15b. DFlash drafts that join the context and noise rows elsewhere than z-lab's draft:
+#   normed: each piece's K normalised on its own, the pieces joined along tokens, then one RoPE over all
+#           positions (sgl-project/SpecForge specforge/modeling/draft/dflash.py, the revision with a
+#           flash-attn path: k_norm of k_proj(target_hidden) and of k_proj(hidden_states), then torch.cat);
+#   inputs: one projection over cat([context, noise]) along tokens, the K norm applied to the heads
+#           flattened to rows (`k.reshape(-1, head_dim)`) and viewed back (an SGLang-style minimal
+#           Qwen3 DFlash draft, Qwen3ForCausalLMDFlash, DFlashAttention.forward).
+# Each layer's noise block is its own, as the layers of a real draft see their predecessor's output.
+
+
+class JoinedDFlashContext(nn.Module):
+    def __init__(self, joined_at: str):
+        super().__init__()
+        self.joined_at = joined_at
+        config = _qwen3_config()
+        self.layers = nn.ModuleList(modeling_qwen3.Qwen3Attention(config, i) for i in range(N_LAYERS))
+        self.rotary_emb = modeling_qwen3.Qwen3RotaryEmbedding(config)
+        _randomize_norm_weights(self)
+
+    def _k_and_v(self, attn, context, noise):
+        bsz, ctx_len, q_len, d = context.shape[0], context.shape[1], noise.shape[1], attn.head_dim
+        if self.joined_at == "normed":
+            k_ctx = attn.k_norm(attn.k_proj(context).view(bsz, ctx_len, -1, d))
+            k_noise = attn.k_norm(attn.k_proj(noise).view(bsz, q_len, -1, d))
+            v_ctx, v_noise = attn.v_proj(context).view(bsz, ctx_len, -1, d), attn.v_proj(noise).view(bsz, q_len, -1, d)
+            return torch.cat([k_ctx, k_noise], dim=1), torch.cat([v_ctx, v_noise], dim=1)
+        rows = torch.cat([context, noise], dim=1)
+        k = attn.k_proj(rows).view(bsz, ctx_len + q_len, -1, d)
+        k = attn.k_norm(k.reshape(-1, d)).view(bsz, ctx_len + q_len, -1, d)
+        return k, attn.v_proj(rows).view(bsz, ctx_len + q_len, -1, d)
+
+    def forward(self, hidden_states, target_hidden, position_ids):
+        cos, sin = self.rotary_emb(hidden_states, position_ids)
+        outs = []
+        for i, attn in enumerate(self.layers):
+            k, v = self._k_and_v(attn, target_hidden, hidden_states * (1.0 + 0.5 * i))
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+            k = (k * cos.unsqueeze(1)) + (modeling_qwen3.rotate_half(k) * sin.unsqueeze(1))
+            outs += [k, v]
+        return tuple(outs)
+
+
+def build_joined_dflash(dtype, joined_at, batch=BATCH, tokens=TOKENS, q_len=4):
+    torch.manual_seed(0)
+    noise, target = _hidden(tokens=q_len, batch=batch), _hidden(tokens=tokens, batch=batch)
+    position_ids = _positions(tokens + q_len)[None].expand(batch, -1)
+    return _finish(JoinedDFlashContext(joined_at), dtype, noise, target, position_ids)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # NEGATIVE cases: the HF Qwen3 spelling (case 1) where the LAST layer's math genuinely differs.
 
 
@@ -2176,6 +2226,16 @@ CASES: list[Case] = [
         "zlab_dflash_per_layer_noise",
         "z-lab/dflash dflash/model.py (each layer's noise block its own: only the context rows fuse)",
         _p(build_zlab_dflash, per_layer_noise=True),
+    ),
+    Case(
+        "specforge_dflash_normed_pieces_joined",
+        "sgl-project/SpecForge specforge/modeling/draft/dflash.py (K normed per piece, joined before the RoPE)",
+        _p(build_joined_dflash, joined_at="normed"),
+    ),
+    Case(
+        "dflash_projection_of_joined_rows",
+        "SGLang-style minimal Qwen3 DFlash draft (k_proj(cat([ctx, noise])), k_norm on k.reshape(-1, head_dim))",
+        _p(build_joined_dflash, joined_at="inputs"),
     ),
     Case(
         "baichuan2_w_pack",

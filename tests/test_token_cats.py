@@ -64,3 +64,98 @@ def test_a_cat_of_non_projections_or_along_features_is_left_alone():
         nodes = len(traced.graph.nodes)
         assert push_token_cats(traced.graph) == 0
         assert len(traced.graph.nodes) == nodes
+
+
+def _rms(x, weight):
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def _rotate(k, cos, sin):
+    return k * cos + torch.cat([-k[..., 4:], k[..., :4]], dim=-1) * sin
+
+
+def _normed_pieces_joined(ctx, noise, w, norm_w, cos, sin):
+    """SpecForge's order: each piece's K normalised on its own, joined along tokens, then the RoPE."""
+    k_ctx = _rms((ctx @ w.t()).view(1, -1, 2, 8), norm_w)
+    k_noise = _rms((noise @ w.t()).view(1, -1, 2, 8), norm_w)
+    k = torch.cat([k_ctx, k_noise], dim=1).transpose(1, 2)
+    return (_rotate(k, cos[None, None], sin[None, None]),)
+
+
+def _rows_joined_before_the_projection(ctx, noise, w, norm_w, cos, sin):
+    """Two layers, each one projection of [ctx; its noise] joined along tokens (batch 2), the norm over
+    heads flattened to rows and viewed back; the flattened normalised K is read whole too."""
+    batch, tokens = ctx.shape[0], ctx.shape[1] + noise.shape[1]
+    outs = []
+    for layer_noise in (noise, 2 * noise):
+        rows = torch.cat([ctx, layer_noise], dim=1)
+        k = (rows.view(-1, rows.shape[-1]) @ w.t()).view(batch, tokens, 2, 8)
+        flat = _rms(k.reshape(-1, 8), norm_w)
+        k = flat.view(batch, tokens, 2, 8).transpose(1, 2)
+        outs += [_rotate(k, cos[None, None], sin[None, None]), flat]
+    return tuple(outs)
+
+
+def _batched_inputs():
+    generator = torch.Generator().manual_seed(1)
+    shapes = [(2, 5, 12), (2, 3, 12), (16, 12), (8,), (8, 8), (8, 8)]
+    return [torch.randn(s, generator=generator) for s in shapes]
+
+
+def _pushed(fn, inputs):
+    traced = make_fx(fn, tracing_mode="fake")(*inputs)
+    expected = traced(*inputs)
+    pushed = push_token_cats(traced.graph)
+    traced.graph.eliminate_dead_code()
+    traced.graph.lint()
+    traced.recompile()
+    for got, want in zip(traced(*inputs), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    return traced, pushed
+
+
+def test_pieces_normalised_on_their_own_are_pushed_through_the_rope():
+    traced, pushed = _pushed(_normed_pieces_joined, _inputs())
+    assert pushed == 1
+    for node in traced.graph.nodes:  # the RoPE's products run per piece: no cat along tokens feeds them
+        if node.target is aten.mul.Tensor:
+            assert not any(a.target is aten.cat.default and a.args[1] in (1, 2) for a in node.all_input_nodes if a.op == "call_function")
+
+
+def test_a_projection_of_joined_rows_runs_per_piece_through_a_flattened_norm():
+    inputs = _batched_inputs()
+    before = make_fx(_rows_joined_before_the_projection, tracing_mode="fake")(*inputs)
+    traced, pushed = _pushed(_rows_joined_before_the_projection, inputs)
+    assert pushed == 2
+    # one product per piece, each over that piece's rows only; the norm runs per piece too
+    assert _count(traced.graph, aten.mm.default) == 2 * _count(before.graph, aten.mm.default) == 4
+    assert _count(traced.graph, aten.rsqrt.default) == 4
+    for node in traced.graph.nodes:
+        if node.target is aten.mm.default:
+            assert node.args[0].meta["val"].shape[0] in (2 * 5, 2 * 3)
+
+
+def test_a_cat_of_rows_for_one_projection_that_shares_no_piece_is_left_alone():
+    """A batch joined for one linear (nothing to group across layers): splitting it would only add GEMMs."""
+
+    def one(a, b, w):
+        return (torch.cat([a, b], dim=0) @ w.t()).relu()
+
+    traced = make_fx(one, tracing_mode="fake")(torch.randn(3, 4), torch.randn(2, 4), torch.randn(5, 4))
+    nodes = len(traced.graph.nodes)
+    assert push_token_cats(traced.graph) == 0
+    assert len(traced.graph.nodes) == nodes
+
+
+def test_a_push_that_fails_leaves_the_graph_as_it_was(monkeypatch):
+    from fx_fusion import token_cats
+
+    def broken(self, node):
+        raise RuntimeError("a graph shape not foreseen")
+
+    monkeypatch.setattr(token_cats._Pusher, "push", broken)
+    traced = make_fx(_per_token_after_cat, tracing_mode="fake")(*_inputs())
+    code = traced.code
+    assert push_token_cats(traced.graph) == 0
+    traced.recompile()
+    assert traced.code == code
