@@ -75,8 +75,12 @@ def as_strided_view(builder, k_all: torch.fx.Node, rebuilt: torch.fx.Node, symbo
     if value._base is not root or not is_concrete_int(value.storage_offset()):
         return None
     sizes = [spelled(size, symbols) for size in value.shape]
-    # a dim of size one is never stepped: any stride reads the same elements
-    strides = [1 if same_size(size, 1) else spelled(stride, symbols) for size, stride in zip(value.shape, value.stride())]
+    strides = [spelled(stride, symbols) for stride in value.stride()]
+    # A dim of size one is never stepped: any stride reads the same elements, but attention kernels check
+    # every stride's alignment (CUDA's efficient attention refuses a token stride of 1 at one token), so
+    # one that cannot be spelled becomes the widest step of the others, aligned as they are.
+    widest = max([int(size) * int(stride) for size, stride in zip(value.shape, value.stride()) if is_concrete_int(size) and is_concrete_int(stride)] + [1])
+    strides = [widest if term is None and same_size(size, 1) else term for size, term in zip(value.shape, strides)]
     if None in sizes or None in strides:
         return None
     sizes, strides = ([spell(builder, term) for term in terms] for terms in (sizes, strides))

@@ -15,6 +15,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import fx_fusion
 import fx_fusion.backend  # noqa: F401  (registers the backend)
 from fx_fusion.diagnostics import RecordSink
 
@@ -117,3 +118,28 @@ def test_random_attention_layers_match_eager(kv_heads, group, head_dim, batch, t
     # which the pass leaves to the plain rebuild (the outputs above still match)
     if not (dynamic and batch == tokens):
         assert sum(g.strided_views for g in groups) == views, text
+
+
+@pytest.mark.parametrize("layout", ["bhtd", "bthd"])
+def test_one_token_views_keep_every_stride_aligned(layout):
+    """Decoding one token (batch 1): the views' token and batch dims have size one, so any stride reads
+    the same elements, but attention kernels check each stride's alignment (CUDA's efficient attention
+    refused the token stride 1 this once gave Q: "query is not correctly aligned (strideM)"). Every
+    stride of each view but the head dim's is a whole number of heads."""
+    head_dim = 16
+    module = Layers(1, head_dim, q_heads=4, kv_heads=2, layout=layout, norm=True).eval()
+    x, positions = torch.randn(1, 1, HIDDEN), torch.tensor([[7]])
+    strided = []
+
+    def pass_then_record(graph: torch.fx.Graph) -> None:
+        fx_fusion.FusedKVPass()(graph)
+        strided.extend(n.args[2] for n in graph.find_nodes(op="call_function", target=aten.as_strided.default))
+
+    with torch.no_grad():
+        expected = module(x, positions)
+        actual = torch.compile(module, options={"post_grad_custom_post_pass": pass_then_record})(x, positions)
+    for got, want in zip(actual, expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert len(strided) == 2, strided  # Q and K as views
+    for strides in strided:
+        assert all(s % head_dim == 0 for s in strides[:-1]) and strides[-1] == 1, strided
