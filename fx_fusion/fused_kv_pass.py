@@ -12,8 +12,9 @@ with D, rotary dim and style, norm form, eps and cos/sin the same across the gro
 linears on x with the same width as a member (the V projections). Members may differ in head count (a
 decoder layer's Q beside its K): the op then reads every member as blocks of gcd(heads) heads, each block
 with its member's norm weight. First, in-place updates of column views are read back as plain chains
-(scatter_forwarding), and projections concatenated along tokens ahead of per-token ops get those ops
-per piece (token_cats, the z-lab DFlash form). It replaces them with
+(scatter_forwarding), a bias added after a product's reshape is added to the product (bias_adds), and
+context and noise rows joined along tokens ahead of per-token ops get those ops per piece (token_cats,
+the DFlash forms). It replaces them with
 
     proj  = fx_fusion.grouped_linear(x2d, [Wk_0..Wk_L-1, Wv_0..], [biases])    # [N, all columns]
     k_all = fx_fusion.materialize_k(proj columns as [N, L, H*D], norm weights, eps, cos/sin tables,
@@ -71,7 +72,7 @@ import fx_fusion.kernels.ops  # noqa: F401  (registers fx_fusion::materialize_*)
 import fx_fusion.kernels.grouped_linear  # noqa: F401  (registers fx_fusion::grouped_linear)
 from fx_fusion.kernels.fused_kv_materialize import MAX_NORM_WEIGHTS_PER_LAUNCH
 
-from . import cache_writes, kv_patterns, op_lowering, probe_sizes, rotary_action, rotary_angles, scatter_forwarding, strided_outputs, token_cats
+from . import bias_adds, cache_writes, kv_patterns, op_lowering, probe_sizes, rotary_action, rotary_angles, scatter_forwarding, strided_outputs, token_cats
 from .diagnostics import FusedGroup, PassRecord, RecordSink, Rejection, node_location
 from .kv_patterns import KBranch, NoMatch, Projection, is_call, val
 from . import memo, padded_linears, values
@@ -133,6 +134,7 @@ class FusedKVPass(CustomGraphPass):
             padded_linears.__file__,
             probe_sizes.__file__,
             scatter_forwarding.__file__,
+            bias_adds.__file__,
             token_cats.__file__,
             strided_outputs.__file__,
             cache_writes.__file__,
@@ -334,6 +336,7 @@ def fuse_kv_groups(graph: torch.fx.Graph, min_layers: int = 1, stack_weights_in_
     # canonical forms first: in-place column updates as plain chains, projections concatenated along
     # tokens before the norm (z-lab DFlash) as one chain per projection
     scatter_forwarding.forward_scattered_views(graph)
+    bias_adds.move_bias_adds_to_products(graph)
     if token_cats.push_token_cats(graph):
         graph.eliminate_dead_code()
     same_value = ValueKeys()
