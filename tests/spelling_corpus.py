@@ -30,6 +30,7 @@ from transformers.models.gemma3 import modeling_gemma3
 from transformers.models.gemma3n import modeling_gemma3n
 from transformers.models.glm import modeling_glm
 from transformers.models.gpt_neox import modeling_gpt_neox
+from transformers.models.gpt_oss import modeling_gpt_oss
 from transformers.models.hunyuan_v1_dense import modeling_hunyuan_v1_dense
 from transformers.models.llama4 import modeling_llama4
 from transformers.models.olmo import modeling_olmo
@@ -1226,6 +1227,43 @@ def build_joined_dflash(dtype, joined_at, batch=BATCH, tokens=TOKENS, q_len=4):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# 15c. A DFlash draft for GPT-OSS: z-lab's join of the projections (with bias, no K norm), rotated by GPT-OSS's
+# own RoPE (`torch.chunk` halves against cos/sin of half the head size, cat of the two results).
+# A GPT-OSS DFlash draft (GptOssDFlashAttention.forward, apply_rotary_pos_emb_dflash) over
+# huggingface/transformers src/transformers/models/gpt_oss/modeling_gpt_oss.py (_apply_rotary_emb,
+# GptOssRotaryEmbedding)
+
+
+class GptOssDFlashContext(nn.Module):
+    def __init__(self):
+        super().__init__()
+        config = modeling_gpt_oss.GptOssConfig(**_HF_SIZES, attention_bias=True)
+        self.head_dim = config.head_dim
+        self.k_proj = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM) for _ in range(N_LAYERS))
+        self.v_proj = nn.ModuleList(nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM) for _ in range(N_LAYERS))
+        self.rotary_emb = modeling_gpt_oss.GptOssRotaryEmbedding(config)
+
+    def forward(self, hidden_states, target_hidden, position_ids):
+        bsz, q_len = hidden_states.shape[:-1]
+        kv_shape = (bsz, target_hidden.shape[1] + q_len, -1, self.head_dim)
+        cos, sin = self.rotary_emb(hidden_states, position_ids)
+        outs = []
+        for i, (k_proj, v_proj) in enumerate(zip(self.k_proj, self.v_proj)):
+            noise = hidden_states * (1.0 + 0.5 * i)
+            k = torch.cat([k_proj(target_hidden), k_proj(noise)], dim=1).view(kv_shape).transpose(1, 2)
+            v = torch.cat([v_proj(target_hidden), v_proj(noise)], dim=1).view(kv_shape).transpose(1, 2)
+            outs += [modeling_gpt_oss._apply_rotary_emb(k, cos.unsqueeze(1), sin.unsqueeze(1)), v]
+        return tuple(outs)
+
+
+def build_gpt_oss_dflash(dtype, batch=BATCH, tokens=TOKENS, q_len=4):
+    torch.manual_seed(0)
+    noise, target = _hidden(tokens=q_len, batch=batch), _hidden(tokens=tokens, batch=batch)
+    position_ids = _positions(tokens + q_len)[None].expand(batch, -1)
+    return _finish(GptOssDFlashContext(), dtype, noise, target, position_ids)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # NEGATIVE cases: the HF Qwen3 spelling (case 1) where the LAST layer's math genuinely differs.
 
 
@@ -2236,6 +2274,11 @@ CASES: list[Case] = [
         "dflash_projection_of_joined_rows",
         "SGLang-style minimal Qwen3 DFlash draft (k_proj(cat([ctx, noise])), k_norm on k.reshape(-1, head_dim))",
         _p(build_joined_dflash, joined_at="inputs"),
+    ),
+    Case(
+        "gpt_oss_dflash_chunk_rope_bias",
+        "a GPT-OSS DFlash draft (z-lab's join, bias, no K norm) with " + _HF_MODELS + "gpt_oss/modeling_gpt_oss.py's RoPE",
+        _p(build_gpt_oss_dflash),
     ),
     Case(
         "baichuan2_w_pack",
