@@ -50,6 +50,7 @@ def move_bias_adds_to_products(graph: torch.fx.Graph) -> int:
         reshaped, mm, bias = found
         with graph.inserting_after(mm):
             biased = graph.call_function(aten.add.Tensor, (mm, bias))
+        biased.meta.update({key: value for key, value in mm.meta.items() if key != "val"})  # the linear's place
         biased.meta["val"] = torch.ops.aten.add.Tensor(mm.meta["val"], bias.meta["val"])
         reshaped.replace_input_with(mm, biased)  # same shape, dtype and strides: its value meta stands
         add.replace_all_uses_with(reshaped)
