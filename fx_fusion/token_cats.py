@@ -35,12 +35,11 @@ import math
 import operator
 from typing import Optional
 
-import sympy
 import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-from . import kv_patterns
+from . import kv_patterns, strided_outputs
 from .kv_patterns import PROJECTION_OPS, is_call, same_size, val
 from .values import RESHAPES
 
@@ -216,16 +215,14 @@ class _Pusher:
         return result if number == 1 else self.call(operator.mul, [result, number])
 
     def spell(self, size) -> object:
-        """An int, or a graph node holding a symbolic size: an input of the graph, or a product of them."""
-        size = _as_int(size)
-        if isinstance(size, int):
-            return size
-        expr = size.node.expr
-        if expr in self._symbols:
-            return self._symbols[expr]
-        if not isinstance(expr, sympy.Mul) or not all(f.is_Integer or f in self._symbols for f in expr.args):
-            raise _Stop(f"size {expr} has no spelling in the graph")
-        return self.product([int(f) if f.is_Integer else self._symbols[f] for f in expr.args])
+        """An int, or a graph node holding a symbolic size (a product of graph inputs times a number)."""
+        term = strided_outputs.spelled(size, self._symbols)
+        if term is None:
+            raise _Stop(f"size {size} has no spelling in the graph")
+        if isinstance(term, int):
+            return term
+        inputs, factor = term
+        return self.product([*inputs, factor])
 
     def start(self, piece: int):
         """Piece's first row along the cat: an int, or the sum of the earlier pieces' size nodes."""

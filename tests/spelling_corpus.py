@@ -1169,11 +1169,15 @@ class ZLabDFlashContext(nn.Module):
         return tuple(outs)
 
 
+def _dflash_inputs(batch: int, tokens: int, q_len: int) -> tuple:
+    """(noise block, target hidden states, position ids over context then block) of a DFlash draft step."""
+    noise, target = _hidden(tokens=q_len, batch=batch), _hidden(tokens=tokens, batch=batch)
+    return noise, target, _positions(tokens + q_len)[None].expand(batch, -1)
+
+
 def build_zlab_dflash(dtype, per_layer_noise=False, batch=BATCH, tokens=TOKENS, q_len=4):
     torch.manual_seed(0)
-    noise, target = _hidden(tokens=q_len, batch=batch), _hidden(tokens=tokens, batch=batch)
-    position_ids = _positions(tokens + q_len)[None].expand(batch, -1)
-    return _finish(ZLabDFlashContext(per_layer_noise), dtype, noise, target, position_ids)
+    return _finish(ZLabDFlashContext(per_layer_noise), dtype, *_dflash_inputs(batch, tokens, q_len))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1221,9 +1225,7 @@ class JoinedDFlashContext(nn.Module):
 
 def build_joined_dflash(dtype, joined_at, batch=BATCH, tokens=TOKENS, q_len=4):
     torch.manual_seed(0)
-    noise, target = _hidden(tokens=q_len, batch=batch), _hidden(tokens=tokens, batch=batch)
-    position_ids = _positions(tokens + q_len)[None].expand(batch, -1)
-    return _finish(JoinedDFlashContext(joined_at), dtype, noise, target, position_ids)
+    return _finish(JoinedDFlashContext(joined_at), dtype, *_dflash_inputs(batch, tokens, q_len))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1258,9 +1260,7 @@ class GptOssDFlashContext(nn.Module):
 
 def build_gpt_oss_dflash(dtype, batch=BATCH, tokens=TOKENS, q_len=4):
     torch.manual_seed(0)
-    noise, target = _hidden(tokens=q_len, batch=batch), _hidden(tokens=tokens, batch=batch)
-    position_ids = _positions(tokens + q_len)[None].expand(batch, -1)
-    return _finish(GptOssDFlashContext(), dtype, noise, target, position_ids)
+    return _finish(GptOssDFlashContext(), dtype, *_dflash_inputs(batch, tokens, q_len))
 
 
 # ----------------------------------------------------------------------------------------------------------
