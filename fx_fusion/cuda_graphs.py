@@ -10,7 +10,9 @@ import torch
 def capture(fn: Callable[[], Any]) -> Callable[[], Any]:
     """Warm `fn` up on a side stream, capture one call into a CUDA graph; return a replaying callable.
 
-    The callable returns the captured call's outputs (static tensors that every replay rewrites).
+    The callable returns the captured call's outputs (static tensors that every replay rewrites). It keeps
+    `fn` alive, and with it whatever `fn` holds (the module, its inputs, its caches): the graph reads their
+    memory by address, so freeing them while the graph may still replay would make it read freed memory.
     """
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -29,4 +31,5 @@ def capture(fn: Callable[[], Any]) -> Callable[[], Any]:
         return static_out
 
     replay.graph = graph  # keep the graph alive with the callable
+    replay.captured = fn  # and what it reads
     return replay
