@@ -4,17 +4,17 @@ Matches (post-grad ATen graph, or the joint graph before freezing): L >= min_lay
 the same hidden states x, each
 
     k_l = linear(x, Wk_l[, bk_l])  (or the K columns of a fused kv/qkv linear, cut by slice or split, by a
-          head cut, or by any views and permutes and a cut; or of one linear over weights stacked for all
-          layers viewed as [T, L, 2*kv])
+          head cut, or by any views and permutes and a cut or two; or of one linear over weights stacked
+          for all layers viewed as [T, L, 2*kv])
           -> heads [..., H, D] -> [per-head RMSNorm(w_l, eps)] -> any layout -> RoPE(cos, sin)
 
 with D, rotary dim and style, norm form, eps and cos/sin the same across the group, plus the other
 linears on x with the same width as a member (the V projections). Members may differ in head count (a
 decoder layer's Q beside its K): the op then reads every member as blocks of gcd(heads) heads, each block
-with its member's norm weight. First, in-place updates of column views are read back as plain chains
-(scatter_forwarding), a bias added after a product's reshape is added to the product (bias_adds), and
-context and noise rows joined along tokens ahead of per-token ops get those ops per piece (token_cats,
-the DFlash forms). It replaces them with
+with its member's norm weight. First, in-place updates of column views and buffers filled index by
+index are read back as plain chains (scatter_forwarding), a bias added after a product's reshape is added
+to the product (bias_adds), and context and noise rows joined along tokens, or layers' rows merged for one
+RoPE, ahead of per-token ops get those ops per piece (token_cats, the DFlash forms). It replaces them with
 
     proj  = fx_fusion.grouped_linear(x2d, [Wk_0..Wk_L-1, Wv_0..], [biases])    # [N, all columns]
     k_all = fx_fusion.materialize_k(proj columns as [N, L, H*D], norm weights, eps, cos/sin tables,

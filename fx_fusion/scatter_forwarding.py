@@ -7,6 +7,9 @@ cuts of that scatter. Two exact identities turn these back into plain chains:
 
 - a cut of `slice_scatter(base, src, dim, start, end)` along `dim` over exactly [start, end) is `src`;
   over columns outside it, the same cut of `base`;
+- a chain of `select_scatter`s that writes every index of one dim exactly once (`out = torch.empty_like(k)`,
+  then `out[i] = norm_i(k[i])` for every layer i) is those values stacked along that dim, whatever the
+  base held: `cat(values).view(out.shape)` along the first dim, else a cat of them unsqueezed there;
 - `reshape(reshape(x, a), b)` whose result has x's own shape is x (a reshape round trip), and the same
   reshape of the same tensor spelled twice is one node (the views functionalisation regenerates); so is
   the same dtype cast of the same tensor (`x.float() * rsqrt(x.float().pow(2).mean(...))`: one upcast).
@@ -86,6 +89,44 @@ def _scattered(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, torch.fx.No
     return base, src, dim % val(base).dim(), start, end
 
 
+def _stacked(graph: torch.fx.Graph, node: torch.fx.Node) -> Optional[torch.fx.Node]:
+    """The values a chain of `select_scatter`s ending at `node` writes, stacked, when they fill every index
+    of the dim once (the base's own values are then all overwritten); else None."""
+    written: dict[int, torch.fx.Node] = {}
+    current, dim = node, None
+    while is_call(current, aten.select_scatter.default) and len(current.args) == 4:
+        base, src, at, index = current.args
+        rank = val(base).dim()
+        if not isinstance(at, int) or not isinstance(index, int) or (dim is not None and at % rank != dim):
+            return None
+        dim = at % rank
+        length = val(base).shape[dim]
+        if is_call(src, aten.copy.default) and _same_shape(src, src.args[1]) and val(src).dtype == val(src.args[1]).dtype:
+            src = src.args[1]  # `copy(out[i], value)` before decompositions: the value itself
+        if not isinstance(length, int) or index % length in written or val(src).dtype != val(base).dtype:
+            return None
+        written[index % length] = src
+        current = base
+    if dim is None or sorted(written) != list(range(val(node).shape[dim])):
+        return None
+    values = [written[i] for i in range(len(written))]
+    shape = [size if isinstance(size, int) else -1 for size in val(node).shape]  # one symbolic size: -1
+    if shape.count(-1) > 1:
+        return None
+    with graph.inserting_before(node):
+        if dim == 0:
+            return _call(graph, aten.reshape.default, [_call(graph, aten.cat.default, [values, 0]), shape])
+        return _call(graph, aten.cat.default, [[_call(graph, aten.unsqueeze.default, [v, dim]) for v in values], dim])
+
+
+def _call(graph: torch.fx.Graph, target, args: list) -> torch.fx.Node:
+    """A new node with its fake value."""
+    node = graph.call_function(target, tuple(args))
+    fake_args = torch.fx.map_arg(node.args, lambda n: n.meta["val"])
+    node.meta["val"] = target(*fake_args)
+    return node
+
+
 def forward_scattered_views(graph: torch.fx.Graph, rounds: int = 8) -> int:
     """Apply the module docstring's identities until none applies (one may uncover another: a reshape
     round trip can reveal that a cut reads a scatter); returns how many nodes were replaced."""
@@ -95,7 +136,7 @@ def forward_scattered_views(graph: torch.fx.Graph, rounds: int = 8) -> int:
         bypassed += replaced
         if not replaced:
             break
-    if any(_cut(node) is not None for node in bypassed):
+    if any(_cut(node) is not None or is_call(node, aten.select_scatter.default) for node in bypassed):
         graph.eliminate_dead_code()
     else:  # only repeated reshapes and reshape round trips
         erase_unused(bypassed)
@@ -140,6 +181,8 @@ def _forward_once(graph: torch.fx.Graph) -> list[torch.fx.Node]:
                 cut = (base, dim, start, end)
                 continue
             break
+        if replacement is None and is_call(node, aten.select_scatter.default):
+            replacement = _stacked(graph, node)
         if replacement is None and is_call(node, *RESHAPES) and is_call(node.args[0], *RESHAPES):
             inner = node.args[0].args[0]
             if isinstance(val(inner), torch.Tensor) and _same_shape(inner, node):

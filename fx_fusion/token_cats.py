@@ -15,6 +15,13 @@ output (or columns cut from it: K and V of a fused kv/qkv linear), when every pi
 token from projections, or when it feeds a projection (a linear is per token too) and another such cat
 shares a piece with it (the context rows that every layer reads).
 
+The same push serves a draft that merges every layer's rows into one dim for one RoPE call (vLLM's DFlash
+context precompute: each layer's normed K stacked, a `torch.stack` being a cat along dim 0 and a view,
+then viewed `[L * T, kv]`, the cos/sin cache gathered at `positions.repeat(L)`): a reshape that hides the
+tokens (`[L * T, ..] -> [L, T, ..]`) but is only reshaped again is looked through, and an operand's rows
+for one piece that are one whole block of a repeat, a cat or an expand are that block (the positions
+themselves, gathered from the table), so every layer reads one cos/sin value.
+
 The pushed region is every node reachable from the cat through ops that keep each token's values apart:
 elementwise ops (other operands used as they broadcast, cut to the piece's rows where they run along the
 axis), casts, copies, reductions over other dims, linears over the rows, permutes, unsqueezes, cuts and
@@ -100,7 +107,7 @@ def _computed_from_projections(piece: torch.fx.Node) -> bool:
         seen.add(node)
         if _projection_of(node) is not None:
             return True
-        if is_call(node, *_PER_TOKEN):
+        if is_call(node, *_PER_TOKEN, aten.select.int, aten.unbind.int):  # one layer, or K among K and V
             stack.extend(node.all_input_nodes)
     return False
 
@@ -160,6 +167,16 @@ def _exact_ratio(size, divisor):
     return ratio if same_size(ratio * divisor, size) else None
 
 
+def _block_index(start, length, rows) -> Optional[int]:
+    """k when start:start + length are the rows of block k of `rows` rows each, else None."""
+    if not same_size(length, rows):
+        return None
+    if same_size(start, 0):
+        return 0
+    k = _exact_ratio(start, rows)
+    return k if isinstance(k, int) else None
+
+
 UNFOLDED = (1, 1)
 
 
@@ -182,8 +199,13 @@ class _Pusher:
         self.axis: dict[torch.fx.Node, int] = {cat: dim}
         self.fold: dict[torch.fx.Node, tuple] = {cat: UNFOLDED}
         self.row_inputs = _reshapes_of(cat)  # what a projection may read piece by piece: the cat's own rows
+        # reshapes of region values that hide the tokens (`[L * T, ..] -> [L, T, ..]`) but are only reshaped
+        # again: {reshape: the region value it reshapes}, as reshape(reshape(x)) is one reshape of x
+        self.through: dict[torch.fx.Node, torch.fx.Node] = {}
         self.created: list[torch.fx.Node] = []
         self._sizes: dict = {}  # graph values of symbolic bounds, built once
+        self._rows: dict = {}  # {(operand, axis, piece): the piece's rows of it}
+        self._blocks: dict = {}  # block()'s answers, so that cos and sin share one gather
         self._symbols = kv_patterns.symbol_inputs(graph)
 
     def length(self, piece: int):
@@ -249,6 +271,8 @@ class _Pusher:
         """A non-region operand of an elementwise op, cut to the piece's rows where it runs along the axis."""
         if not isinstance(arg, torch.fx.Node):
             return arg
+        if arg in self.through:
+            raise _Stop("operand hides the tokens")
         if arg in self.pieces:
             if self.axis[arg] + out_rank - val(arg).dim() != out_axis or not _same_fold(self.fold[arg], fold):
                 raise _Stop("pieces on different axes")
@@ -261,12 +285,95 @@ class _Pusher:
             return arg
         if not _same_fold(fold, UNFOLDED) or not same_size(shape[aligned], self.total):
             raise _Stop("operand does not run along the tokens")
-        start, length = self.start(piece), self.length(piece)
-        if isinstance(start, int) and isinstance(length, int):
-            end = start + length
-        else:
-            end = length if start == 0 else self.call(operator.add, [start, length])
-        return self.call(aten.slice.Tensor, [arg, aligned, start, end])
+        if (arg, aligned, piece) not in self._rows:  # built once however many ops read it
+            rows = self.block(arg, aligned, *self.bounds[piece])
+            if rows is None:
+                start, length = self.start(piece), self.length(piece)
+                if isinstance(start, int) and isinstance(length, int):
+                    end = start + length
+                else:
+                    end = length if start == 0 else self.call(operator.add, [start, length])
+                rows = self.call(aten.slice.Tensor, [arg, aligned, start, end])
+            self._rows[(arg, aligned, piece)] = rows
+        return self._rows[(arg, aligned, piece)]
+
+    def block(self, node: torch.fx.Node, axis: int, start, end) -> Optional[torch.fx.Node]:
+        """Rows start:end of `node` along `axis` without a cut, where they are one block of a repeat, a cat
+        or a stack (`positions.repeat(L)`, `cat([positions] * L)`, `positions.expand(L, T).reshape(-1)`:
+        layers' rows merged into one dim), reached through ops that treat rows alike (casts, unsqueezes,
+        cuts along other dims, a gather from a table by those rows); None when there is no such block."""
+        key = (node, axis, str(start), str(end))
+        if key not in self._blocks:
+            self._blocks[key] = self._block(node, axis, start, end)
+        return self._blocks[key]
+
+    def _block(self, node: torch.fx.Node, axis: int, start, end) -> Optional[torch.fx.Node]:
+        if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+            return None
+        args, shape = node.args, _shape(node)
+        if shape is None:
+            return None
+        length = end - start
+        if node.target is aten.repeat.default:
+            source, reps = args[0], list(args[1])
+            if len(reps) != val(source).dim() or any(r != 1 for j, r in enumerate(reps) if j != axis):
+                return None
+            return source if _block_index(start, length, val(source).shape[axis]) is not None else None
+        if node.target is aten.cat.default:
+            dim = (args[1] if len(args) > 1 else 0) % len(shape)
+            if dim != axis:
+                return None
+            first = 0
+            for part in args[0]:
+                rows = val(part).shape[axis]
+                if same_size(first, start) and same_size(rows, length):
+                    return part
+                first = first + rows
+            return None
+        if node.target in RESHAPES and axis == 0:  # [A * B, ..] from [A, B, ..]: rows of one A are a select
+            stacked = args[0]
+            outer = _shape(stacked)
+            if outer is None or len(outer) != len(shape) + 1 or not all(map(same_size, outer[2:], shape[1:])):
+                return None
+            return None if _block_index(start, length, outer[1]) is None else self.selected(stacked)
+        if node.target in (*_UNARY, aten.cos.default, aten.sin.default):
+            inner = self.block(args[0], axis, start, end)
+            return None if inner is None else self.call(node.target, [inner, *args[1:]], node.kwargs)
+        if node.target is aten.unsqueeze.default:
+            dim = args[1] % len(shape)
+            if dim == axis:
+                return None
+            inner = self.block(args[0], axis - (dim < axis), start, end)
+            return None if inner is None else self.call(node.target, [inner, args[1]])
+        if node.target is operator.getitem and is_call(args[0], aten.split.Tensor, aten.split_with_sizes.default):
+            split = args[0]
+            dim = (split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)) % len(shape)
+            inner = None if dim == axis else self.block(split.args[0], axis, start, end)
+            if inner is None:
+                return None
+            return self.call(operator.getitem, [self.call(split.target, [inner, *split.args[1:]], split.kwargs), args[1]])
+        if node.target is aten.slice.Tensor:
+            dim = (args[1] if len(args) > 1 else node.kwargs.get("dim", 0)) % len(shape)
+            inner = None if dim == axis else self.block(args[0], axis, start, end)
+            return None if inner is None else self.call(aten.slice.Tensor, [inner, *args[1:]], node.kwargs)
+        if node.target is aten.index.Tensor and len(args[1]) == 1 and args[1][0] is not None:
+            rows = args[1][0]  # table[rows]: the result's leading dims are the rows'
+            if axis >= val(rows).dim():
+                return None
+            inner = self.block(rows, axis, start, end)
+            return None if inner is None else self.call(aten.index.Tensor, [args[0], [inner]])
+        return None
+
+    def selected(self, node: torch.fx.Node) -> Optional[torch.fx.Node]:
+        """Any node[i] along dim 0 without a select, where node is `x.unsqueeze(0).expand(L, ..)` (or a copy
+        of it): x."""
+        if is_call(node, aten.clone.default):
+            return self.selected(node.args[0])
+        if is_call(node, aten.expand.default) and is_call(node.args[0], aten.unsqueeze.default):
+            inner = node.args[0]
+            if inner.args[1] % val(inner).dim() == 0 and all(map(same_size, _shape(inner)[1:], _shape(node)[1:])):
+                return inner.args[0]
+        return None
 
     def token_dim(self, after: list, outer, inner) -> tuple[int, tuple]:
         """(dim, fold) of the tokens in a reshape's result whose elements run (outer, tokens, inner) in
@@ -305,6 +412,14 @@ class _Pusher:
                 raise _Stop("not a linear over the cat's rows")
             axis, fold = 0, self.fold[rows]
             made = [self.call(target, args[:index] + [p] + args[index + 1 :], node.kwargs) for p in self.pieces[rows]]
+        elif target in RESHAPES and (source in self.pieces or source in self.through):
+            origin = self.through.get(source, source)
+            try:
+                made, axis, fold = self._reshape(node, origin)
+            except _Stop:
+                if node.users and all(is_call(u, *RESHAPES) for u in node.users):
+                    self.through[node] = origin
+                raise
         elif target is not aten.cat.default and (
             source not in self.pieces or any(isinstance(a, torch.fx.Node) and a in self.pieces for a in args[1:])
         ):
@@ -320,18 +435,6 @@ class _Pusher:
                 raise _Stop("reduces over the tokens")
             axis -= 0 if keep else sum(1 for d in dims if d % rank < axis)
             made = [self.call(target, [p] + args[1:], node.kwargs) for p in self.pieces[source]]
-        elif target in RESHAPES:  # the elements keep their order: find where the tokens sit in the result
-            before, at = _shape(source), self.axis[source]
-            outer = math.prod(before[:at]) * fold[0]
-            inner = fold[1] * math.prod(before[at + 1 :])
-            axis, fold = self.token_dim(full, outer, inner)
-            # the shape as the graph spells it (its size nodes), the tokens' dim resized to the piece's rows
-            spelled = list(args[1]) if len(args[1]) == len(full) else list(full)
-            made = []
-            for i, piece in enumerate(self.pieces[source]):
-                shape = list(spelled)
-                shape[axis] = self.rows(i, fold)
-                made.append(self.call(target, [piece, shape]))
         elif target is aten.permute.default:
             axis = list(args[1]).index(self.axis[source])
             made = [self.call(target, [p, args[1]]) for p in self.pieces[source]]
@@ -366,6 +469,23 @@ class _Pusher:
             raise _Stop(f"{target} is not pushed")
         self._check(node, made, axis, fold)
         self.pieces[node], self.axis[node], self.fold[node] = made, axis, fold
+
+    def _reshape(self, node: torch.fx.Node, source: torch.fx.Node) -> tuple[list, int, tuple]:
+        """Pieces of `node`, a reshape of region value `source` (the elements keep their order: find where
+        the tokens sit in the result), with their axis and fold."""
+        full, fold = _shape(node), self.fold[source]
+        before, at = _shape(source), self.axis[source]
+        outer = math.prod(before[:at]) * fold[0]
+        inner = fold[1] * math.prod(before[at + 1 :])
+        axis, fold = self.token_dim(full, outer, inner)
+        # the shape as the graph spells it (its size nodes), the tokens' dim resized to the piece's rows
+        spelled = list(node.args[1]) if len(node.args[1]) == len(full) else list(full)
+        made = []
+        for i, piece in enumerate(self.pieces[source]):
+            shape = list(spelled)
+            shape[axis] = self.rows(i, fold)
+            made.append(self.call(node.target, [piece, shape]))
+        return made, axis, fold
 
     def _check(self, node: torch.fx.Node, made: list, axis: int, fold: tuple) -> None:
         """Each piece has the node's shape with the tokens resized (lists: element by element)."""
@@ -442,9 +562,12 @@ def push_token_cats(graph: torch.fx.Graph) -> int:
 def _joins(pusher: _Pusher, region: set, order: dict) -> dict:
     """{region node: its pieces joined}, for each region node read outside the region (before its first
     such reader)."""
+    def absorbed(user: torch.fx.Node) -> bool:  # a reshape looked through whose readers are all pushed
+        return user in pusher.through and all(u in region or absorbed(u) for u in user.users)
+
     joins = {}
     for node in sorted(region - {pusher.cat}, key=order.get):
-        outside = [u for u in node.users if u not in region]
+        outside = [u for u in node.users if u not in region and not absorbed(u)]
         if outside:
             with pusher.graph.inserting_before(min(outside, key=order.get)):
                 joins[node] = pusher.join(node)
@@ -456,7 +579,7 @@ def _grow(graph: torch.fx.Graph, pusher: _Pusher, order: dict) -> set:
     piece built just before its node). Nodes left out keep reading the whole value."""
     region = {pusher.cat}
     for node in list(graph.nodes)[order[pusher.cat] + 1 :]:
-        if node.op != "call_function" or not any(a in region for a in node.all_input_nodes):
+        if node.op != "call_function" or not any(a in region or a in pusher.through for a in node.all_input_nodes):
             continue
         try:
             with graph.inserting_before(node):

@@ -394,6 +394,60 @@ def explain_vllm_model():
 
 
 # ----------------------------------------------------------------------------------------------------------
+# 3a. vLLM's DFlash context precompute, its custom ops written as the plain PyTorch they compute: the K/V
+# weights of every layer stacked once ([L * 2 * kv, hidden]), one linear, the result viewed
+# [T, L, 2, H, D] and made layer-major (`.permute(2, 1, 0, 3, 4).contiguous()`), K and V taken with [0] and
+# [1]; each layer's K normed by its own k_norm (the custom op writes into `torch.empty_like(all_k)[i]`;
+# here either that or a torch.stack), then one RoPE over all layers' rows at once: K viewed
+# [L * T, kv], the cos/sin cache gathered at `positions.repeat(L)`. `respelled`: the layers cut with
+# `unbind` and the positions repeated by `expand(L, T).reshape(-1)` (the same values).
+# vllm-project/vllm vllm/model_executor/models/qwen3_dflash.py (DFlashQwen3Model._build_fused_kv_buffers,
+# precompute_and_store_context_kv), vllm/model_executor/layers/layernorm.py (RMSNorm.forward_native),
+# vllm/model_executor/layers/rotary_embedding/common.py (apply_rotary_emb_torch)
+
+
+class VllmDflashPrecompute(nn.Module):
+    def __init__(self, norms_into_empty: bool = False, respelled: bool = False):
+        super().__init__()
+        self.norms_into_empty, self.respelled = norms_into_empty, respelled
+        self.kv_size = KV_HEADS * HEAD_DIM
+        self.hidden_norm = VllmRMSNorm(HIDDEN)
+        self.fused_kv_weight = nn.Parameter(torch.randn(N_LAYERS * 2 * self.kv_size, HIDDEN) / HIDDEN**0.5)
+        self.k_norms = nn.ModuleList(VllmRMSNorm(HEAD_DIM) for _ in range(N_LAYERS))
+        self.register_buffer("cos_sin_cache", _cos_sin_cache(HEAD_DIM), persistent=False)
+        _randomize_norm_weights(self)
+
+    def forward(self, context_states, context_positions):  # [T, hidden], [T]
+        num_ctx = context_states.shape[0]
+        all_kv_flat = F.linear(self.hidden_norm(context_states), self.fused_kv_weight)
+        all_kv = all_kv_flat.view(num_ctx, N_LAYERS, 2, KV_HEADS, HEAD_DIM).permute(2, 1, 0, 3, 4).contiguous()
+        all_k, all_v = all_kv[0], all_kv[1]  # [L, T, H, D]
+        if self.norms_into_empty:
+            all_k_normed = torch.empty_like(all_k)
+            for i in range(N_LAYERS):
+                all_k_normed[i] = self.k_norms[i](all_k[i])
+        elif self.respelled:
+            all_k_normed = torch.stack([norm(k) for norm, k in zip(self.k_norms, all_k.unbind(0))])
+        else:
+            all_k_normed = torch.stack([self.k_norms[i](all_k[i]) for i in range(N_LAYERS)])
+        all_k_flat = all_k_normed.view(N_LAYERS * num_ctx, self.kv_size)
+        if self.respelled:
+            positions = context_positions.unsqueeze(0).expand(N_LAYERS, num_ctx).reshape(-1)
+        else:
+            positions = context_positions.repeat(N_LAYERS)
+        cos_sin = self.cos_sin_cache.index_select(0, positions)
+        cos, sin = cos_sin.chunk(2, dim=-1)
+        k_rotated = _vllm_apply_rotary_emb_torch(all_k_flat.view(N_LAYERS * num_ctx, -1, HEAD_DIM), cos, sin, True)
+        return k_rotated.view(N_LAYERS, num_ctx, KV_HEADS, HEAD_DIM), all_v
+
+
+def build_vllm_dflash_precompute(dtype, norms_into_empty=False, respelled=False):
+    torch.manual_seed(0)
+    module, (x,) = _finish(VllmDflashPrecompute(norms_into_empty, respelled), dtype, _hidden(batched=False, tokens=BATCH * TOKENS))
+    return module, (x, _positions(BATCH * TOKENS))
+
+
+# ----------------------------------------------------------------------------------------------------------
 # 3b. nano-vllm: [T, H, D] heads (q.view(-1, num_heads, head_dim)), k_norm on that, cos_sin_cache[positions]
 # with the cache unsqueezed to [max_pos, 1, rotary_dim], rotation in float32 (torch.chunk(x.float(), 2)),
 # and an RMSNorm written with IN-PLACE ops (x.mul_(rsqrt), x.to(orig_dtype).mul_(weight)).
@@ -2162,6 +2216,7 @@ _MEGATRON = (
 )
 _GEMMA3N = "huggingface/transformers src/transformers/models/gemma3n/modeling_gemma3n.py"
 _FALCON = "huggingface/transformers src/transformers/models/falcon/modeling_falcon.py"
+_VLLM_DFLASH = "vllm-project/vllm vllm/model_executor/models/qwen3_dflash.py (precompute_and_store_context_kv)"
 _HF_MODELS = "huggingface/transformers src/transformers/models/"
 
 CASES: list[Case] = [
@@ -2178,6 +2233,17 @@ CASES: list[Case] = [
     Case("vllm_qwen3_neox", _VLLM, _p(build_vllm)),
     Case("vllm_qwen3_gptj", _VLLM + " (is_neox_style=False)", _p(build_vllm, is_neox_style=False)),
     Case("vllm_qwen3_partial", _VLLM + " (rotary_dim < head_size)", _p(build_vllm, rotary_dim=HEAD_DIM // 2)),
+    Case("vllm_dflash_precompute_stacked_norms", _VLLM_DFLASH + " (per-layer K norms joined by torch.stack)", _p(build_vllm_dflash_precompute)),
+    Case(
+        "vllm_dflash_precompute_norms_into_empty",
+        _VLLM_DFLASH + " (each layer's K norm written into torch.empty_like(all_k)[i])",
+        _p(build_vllm_dflash_precompute, norms_into_empty=True),
+    ),
+    Case(
+        "vllm_dflash_precompute_unbind_expanded_positions",
+        _VLLM_DFLASH + " (layers cut by unbind, positions repeated by expand + reshape)",
+        _p(build_vllm_dflash_precompute, respelled=True),
+    ),
     Case(
         "vllm_qwen2_bias_no_norm",
         "vllm-project/vllm vllm/model_executor/models/qwen2.py (qkv bias, no qk norm)",

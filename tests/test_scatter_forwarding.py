@@ -55,3 +55,40 @@ def test_graphs_without_scatters_are_left_alone():
     assert forward_scattered_views(traced.graph) == 1  # the view round trip only
     traced.graph.eliminate_dead_code()
     assert len(traced.graph.nodes) == nodes - 2
+
+
+def _norm_each_layer_into_empty(k, weights, layers_written):
+    """vLLM's DFlash precompute: `out = torch.empty_like(all_k)`, then `out[i] = k_norm_i(all_k[i])`."""
+    out = torch.empty_like(k)
+    for i in layers_written:
+        out[i] = k[i] * torch.rsqrt(k[i].pow(2).mean(-1, keepdim=True) + 1e-6) * weights[i]
+    return out * 2
+
+
+def test_select_scatters_that_write_every_index_become_the_values_stacked():
+    k, weights = torch.randn(3, 5, 2, 8), torch.randn(3, 8)
+    fn = lambda k, w: _norm_each_layer_into_empty(k, w, [2, 0, 1])  # noqa: E731  (any order)
+    traced = make_fx(torch.func.functionalize(fn), tracing_mode="fake")(k, weights)
+    assert _count(traced.graph, aten.select_scatter.default) == 3
+
+    assert forward_scattered_views(traced.graph) >= 1
+    traced.graph.lint()
+    traced.recompile()
+
+    assert _count(traced.graph, aten.select_scatter.default) == 0 and _count(traced.graph, aten.empty_like.default) == 0
+    torch.testing.assert_close(traced(k, weights), fn(k, weights), rtol=0, atol=0)
+
+
+def test_select_scatters_that_leave_an_index_unwritten_stay():
+    def fn(k, w):  # layer 1 keeps what the base held
+        out = k.clone()
+        for i in (0, 2):
+            out[i] = k[i] * w[i]
+        return out * 2
+
+    k, weights = torch.randn(3, 5, 2, 8), torch.randn(3, 8)
+    traced = make_fx(torch.func.functionalize(fn), tracing_mode="fake")(k, weights)
+    forward_scattered_views(traced.graph)
+    traced.recompile()
+    assert _count(traced.graph, aten.select_scatter.default) == 2
+    torch.testing.assert_close(traced(k, weights), fn(k, weights), rtol=0, atol=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fx_fusion.token_cats import push_token_cats
@@ -159,3 +160,64 @@ def test_a_push_that_fails_leaves_the_graph_as_it_was(monkeypatch):
     assert push_token_cats(traced.graph) == 0
     traced.recompile()
     assert traced.code == code
+
+
+def _layers_merged_into_rows(x, w, norm_w, table, positions):
+    """vLLM's DFlash precompute: one linear over weights stacked for every layer, layer-major K, each
+    layer's K normed on its own and stacked, then one rotation over all layers' rows ([L * T, H, D]) with
+    the table gathered at `positions.repeat(L)`."""
+    tokens, n_layers = x.shape[0], norm_w.shape[0]
+    kv = (x @ w.t()).view(tokens, n_layers, 2, 2, 8).permute(2, 1, 0, 3, 4).contiguous()
+    k = torch.stack([kv[0][i] * torch.rsqrt(kv[0][i].pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w[i] for i in range(n_layers)])
+    rows = k.view(n_layers * tokens, 16).view(n_layers * tokens, 2, 8)
+    cos, sin = table[positions.repeat(n_layers)].chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    rotated = torch.cat([rows[..., :4] * cos - rows[..., 4:] * sin, rows[..., 4:] * cos + rows[..., :4] * sin], dim=-1)
+    return rotated.view(n_layers, tokens, 2, 8), kv[1]
+
+
+def _merged_rows_inputs(tokens=5):
+    generator = torch.Generator().manual_seed(1)
+    x, w, norm_w, table = (torch.randn(s, generator=generator) for s in [(tokens, 12), (96, 12), (3, 8), (20, 8)])
+    return x, w, norm_w, table, torch.randperm(20, generator=generator)[:tokens]
+
+
+def test_layers_merged_into_rows_rotate_each_layer_with_the_rows_of_the_repeated_table():
+    inputs = _merged_rows_inputs()  # traced with Inductor's decompositions: torch.stack as a cat and a view
+    traced = make_fx(_layers_merged_into_rows, tracing_mode="fake", decomposition_table=select_decomp_table())(*inputs)
+    expected = traced(*inputs)
+
+    assert push_token_cats(traced.graph) == 1
+    traced.graph.eliminate_dead_code()
+    traced.graph.lint()
+    traced.recompile()
+
+    # each layer's rows gather the table at the positions themselves: the repeat and every cut of the
+    # gathered rows are gone, so all layers read one value (what lets them share one fused op's cos/sin)
+    row_cuts = [n for n in traced.graph.nodes if n.target is aten.slice.Tensor and n.args[1] == 0]
+    assert _count(traced.graph, aten.repeat.default) == 0 and not row_cuts
+    gathers = [n for n in traced.graph.nodes if n.target is aten.index.Tensor]
+    assert len(gathers) == 3 and all(n.args[1][0].op == "placeholder" for n in gathers)
+    for got, want in zip(traced(*inputs), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_rows_that_are_no_block_of_the_repeat_are_cut_from_it():
+    """Pieces of 5 and 3 rows over `positions.repeat(2)` of 4 positions: no piece is one repeat, so each
+    piece's rows are cut from the gathered table, exactly."""
+
+    def uneven(ctx, noise, w, table, positions):
+        k = torch.cat([ctx @ w.t(), noise @ w.t()]).view(8, 2, 8)
+        cos = table[positions.repeat(2)].unsqueeze(-2)
+        return k * cos + k
+
+    generator = torch.Generator().manual_seed(2)
+    inputs = [torch.randn(s, generator=generator) for s in [(5, 12), (3, 12), (16, 12), (20, 8)]] + [torch.arange(4) * 3]
+    traced = make_fx(uneven, tracing_mode="fake")(*inputs)
+    expected = traced(*inputs)
+    assert push_token_cats(traced.graph) == 1
+    traced.graph.eliminate_dead_code()
+    traced.recompile()
+    row_cuts = [n for n in traced.graph.nodes if n.target is aten.slice.Tensor and n.args[1] == 0]
+    assert _count(traced.graph, aten.repeat.default) == 1 and len(row_cuts) == 2
+    torch.testing.assert_close(traced(*inputs), expected, rtol=0, atol=0)
