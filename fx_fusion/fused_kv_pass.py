@@ -305,7 +305,11 @@ def _find_candidates(graph: torch.fx.Graph, record: PassRecord, same_value: Valu
                 continue
         entry = by_input[same_value(projection.x2d)]
         entry["projections"].append(projection)
-        sources = kv_patterns.branch_sources(projection)
+        try:
+            sources = kv_patterns.branch_sources(projection)
+        except Exception:  # a layout the cut reader did not foresee: the projection read whole only
+            logger.debug("fx_fusion: could not read the cuts of %s", node, exc_info=True)
+            sources = [kv_patterns.whole(projection)]
         if sources[0].node is not projection.node:
             # Column slices may be separate branches (a fused kv/qkv linear) or parts of one head-split
             # branch (partial rotary on a single head): the whole-projection reading wins when it matches.

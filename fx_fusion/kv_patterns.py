@@ -1108,28 +1108,30 @@ def _strided_cuts(projection: Projection, node: torch.fx.Node, prefix: list) -> 
     `qkv.view(B, T, H, 3 * hs).transpose(1, 2).chunk(3, dim=-1)`; Falcon: `qkv.view(B, T, H, 3, hs)[..., 1, :]`;
     `qkv.view(B, T, 3, H, hs).unbind(2)`; PyTorch's packed in-projection, `qkv.unflatten(-1, (3, E))
     .unsqueeze(0).transpose(0, -2).squeeze(-2)` then indexed); a piece whose elements are not whole heads
-    at evenly spaced columns is no source, but the pieces cut from it again are tried (vLLM's DFlash context
-    precompute: weights stacked for all layers, `kv.view(T, L, 2, H, D).permute(2, 1, 0, 3, 4)`, K taken
-    with `[0]`, then each layer's K with `[i]`)."""
+    at evenly spaced columns is no source. A piece that is only read cut again along an axis but the last
+    is read as those pieces (vLLM's DFlash context precompute: weights stacked for all layers,
+    `kv.view(T, L, 2, H, D).permute(2, 1, 0, 3, 4)`, K taken with `[0]`, then each layer's K with `[i]`; with
+    one head, all layers' K would otherwise pass for one K of L heads)."""
     chain, current = follow_layout(node, _CHAIN_OPS)
-    return _cut_sources(projection, current, prefix, chain, depth=2)
+    return _cut_sources(projection, current, prefix, chain, range(len(static_shape(current))), depth=2)
 
 
-def _cut_sources(projection: Projection, node: torch.fx.Node, prefix: list, chain: list, depth: int) -> Optional[list[BranchSource]]:
-    """The strided sources among the pieces that cut `node` along one axis, or else among the pieces cut
-    from those (up to `depth` cuts)."""
+def _cut_sources(projection: Projection, node: torch.fx.Node, prefix: list, chain: list, axes, depth: int) -> Optional[list[BranchSource]]:
+    """The strided sources among the pieces that cut `node` along one of `axes` (each piece read as the
+    pieces cut from it, up to `depth` cuts in all)."""
     shape = static_shape(node)
-    for axis in range(len(shape)):
+    for axis in axes:
         cuts = [_axis_cuts(user, node, len(shape), shape[axis], axis) for user in node.users]
         if not cuts or None in cuts:
             continue
         pieces = [(piece, [user] if user is piece else [user, piece]) for user, ranges in zip(node.users, cuts) for piece, _, _ in ranges]
         sources = []
         for piece, cut in pieces:
-            source = _strided_source(projection, piece, prefix, chain + cut)
-            if source is None and depth > 1:
-                source = _cut_sources(projection, piece, prefix, chain + cut, depth - 1)
-            sources += source if isinstance(source, list) else [source] if source is not None else []
+            cut_again = None
+            if depth > 1:
+                cut_again = _cut_sources(projection, piece, prefix, chain + cut, range(len(static_shape(piece)) - 1), depth - 1)
+            source = None if cut_again else _strided_source(projection, piece, prefix, chain + cut)
+            sources += cut_again or ([source] if source is not None else [])
         return sources or None
     return None
 

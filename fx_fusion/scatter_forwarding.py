@@ -96,13 +96,16 @@ def _stacked(graph: torch.fx.Graph, node: torch.fx.Node) -> Optional[torch.fx.No
     current, dim = node, None
     while is_call(current, aten.select_scatter.default) and len(current.args) == 4:
         base, src, at, index = current.args
+        if not all(isinstance(n, torch.fx.Node) and isinstance(val(n), torch.Tensor) for n in (base, src)):
+            return None
         rank = val(base).dim()
         if not isinstance(at, int) or not isinstance(index, int) or (dim is not None and at % rank != dim):
             return None
         dim = at % rank
         length = val(base).shape[dim]
-        if is_call(src, aten.copy.default) and _same_shape(src, src.args[1]) and val(src).dtype == val(src.args[1]).dtype:
-            src = src.args[1]  # `copy(out[i], value)` before decompositions: the value itself
+        value = src.args[1] if is_call(src, aten.copy.default) else None
+        if isinstance(value, torch.fx.Node) and isinstance(val(value), torch.Tensor) and _same_shape(src, value) and val(src).dtype == val(value).dtype:
+            src = value  # `copy(out[i], value)` before decompositions: the value itself
         if not isinstance(length, int) or index % length in written or val(src).dtype != val(base).dtype:
             return None
         written[index % length] = src
@@ -113,15 +116,23 @@ def _stacked(graph: torch.fx.Graph, node: torch.fx.Node) -> Optional[torch.fx.No
     shape = [size if isinstance(size, int) else -1 for size in val(node).shape]  # one symbolic size: -1
     if shape.count(-1) > 1:
         return None
-    with graph.inserting_before(node):
-        if dim == 0:
-            return _call(graph, aten.reshape.default, [_call(graph, aten.cat.default, [values, 0]), shape])
-        return _call(graph, aten.cat.default, [[_call(graph, aten.unsqueeze.default, [v, dim]) for v in values], dim])
+    created: list[torch.fx.Node] = []
+    try:
+        with graph.inserting_before(node):
+            if dim == 0:
+                return _call(graph, created, aten.reshape.default, [_call(graph, created, aten.cat.default, [values, 0]), shape])
+            unsqueezed = [_call(graph, created, aten.unsqueeze.default, [v, dim]) for v in values]
+            return _call(graph, created, aten.cat.default, [unsqueezed, dim])
+    except Exception:  # a value the fake ops cannot join: leave the scatters as they are
+        for made in reversed(created):
+            graph.erase_node(made)
+        return None
 
 
-def _call(graph: torch.fx.Graph, target, args: list) -> torch.fx.Node:
-    """A new node with its fake value."""
+def _call(graph: torch.fx.Graph, created: list, target, args: list) -> torch.fx.Node:
+    """A new node with its fake value, recorded in `created`."""
     node = graph.call_function(target, tuple(args))
+    created.append(node)
     fake_args = torch.fx.map_arg(node.args, lambda n: n.meta["val"])
     node.meta["val"] = target(*fake_args)
     return node

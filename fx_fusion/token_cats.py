@@ -300,8 +300,9 @@ class _Pusher:
     def block(self, node: torch.fx.Node, axis: int, start, end) -> Optional[torch.fx.Node]:
         """Rows start:end of `node` along `axis` without a cut, where they are one block of a repeat, a cat
         or a stack (`positions.repeat(L)`, `cat([positions] * L)`, `positions.expand(L, T).reshape(-1)`:
-        layers' rows merged into one dim), reached through ops that treat rows alike (casts, unsqueezes,
-        cuts along other dims, a gather from a table by those rows); None when there is no such block."""
+        layers' rows merged into one dim), reached through ops that treat rows alike (casts, cos and sin,
+        elementwise ops with broadcast operands, unsqueezes, cuts and cats along other dims, a gather from
+        a table by those rows); None when there is no such block."""
         key = (node, axis, str(start), str(end))
         if key not in self._blocks:
             self._blocks[key] = self._block(node, axis, start, end)
@@ -321,8 +322,9 @@ class _Pusher:
             return source if _block_index(start, length, val(source).shape[axis]) is not None else None
         if node.target is aten.cat.default:
             dim = (args[1] if len(args) > 1 else 0) % len(shape)
-            if dim != axis:
-                return None
+            if dim != axis:  # halves joined along another dim (a half-width table widened): each part's rows
+                parts = [self.block(part, axis, start, end) for part in args[0]]
+                return None if None in parts else self.call(aten.cat.default, [parts, dim])
             first = 0
             for part in args[0]:
                 rows = val(part).shape[axis]
@@ -336,6 +338,20 @@ class _Pusher:
             if outer is None or len(outer) != len(shape) + 1 or not all(map(same_size, outer[2:], shape[1:])):
                 return None
             return None if _block_index(start, length, outer[1]) is None else self.selected(stacked)
+        if node.target in _BINARY:  # operands along the rows give their rows, broadcast ones stay
+            operands = []
+            for arg in args[:2]:
+                arg_shape = _shape(arg) if isinstance(arg, torch.fx.Node) else None
+                aligned = None if arg_shape is None else axis - (len(shape) - len(arg_shape))
+                if arg_shape is None or aligned < 0 or same_size(arg_shape[aligned], 1):
+                    operands.append(arg)
+                    continue
+                operands.append(self.block(arg, aligned, start, end))
+                if operands[-1] is None:
+                    return None
+            if operands == list(args[:2]):
+                return None
+            return self.call(node.target, operands + list(args[2:]), node.kwargs)
         if node.target in (*_UNARY, aten.cos.default, aten.sin.default):
             inner = self.block(args[0], axis, start, end)
             return None if inner is None else self.call(node.target, [inner, *args[1:]], node.kwargs)

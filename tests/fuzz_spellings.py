@@ -7,11 +7,13 @@ no upcast) and rotates it (rotate_half by slices or chunk, vLLM's native halves,
 partial) with cos/sin computed from the positions or gathered from a cat(cos, sin) cache. Optional: bias,
 V transposed, the raw K returned too, one norm weight shared by every layer, a dynamic token count, and
 a DFlash token concatenation: each layer's context rows joined with a noise block's along tokens, at its
-projections (z-lab), after the K norm of each piece, or at the projections' input rows. One layer may deviate in eps, rope base, the rotary style or width, the norm, or read
+projections (z-lab), after the K norm of each piece, or at the projections' input rows. `--stacked` draws
+vLLM's DFlash precompute form instead (StackedDraft: one linear over all layers' weights, layer-major K,
+one rotation over all layers' rows). One layer may deviate in eps, rope base, the rotary style or width, the norm, or read
 the hidden states flipped: grouping must tell those apart by value. `check(seed)` compiles a draft with FusedKVPass and
 with stock Inductor and compares both with eager.
 
-    python tests/fuzz_spellings.py [--first 0] [--count 200]     # a long run, one line per draft
+    python tests/fuzz_spellings.py [--first 0] [--count 200] [--stacked]     # a long run, one line per draft
 """
 
 from __future__ import annotations
@@ -38,6 +40,50 @@ def _inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
 
 
+def _norm(kind: str, eps: float, w, k):
+    """K normalised per head in one of NORMS' spellings (w: the norm weight, None for "none")."""
+    if kind == "none":
+        return k
+    if kind == "f_rms_norm":
+        return F.rms_norm(k, (HEAD_DIM,), w, eps)
+    if kind == "no_upcast":
+        return k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + eps) * w
+    h = k.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(k.dtype) if kind == "hf" else (h * (1.0 + w.float())).type_as(k)
+
+
+def _rotate(style: str, k, cos, sin):
+    """K rotated in one of ROPES' spellings; cos/sin [..., rotary_dim], neox halves repeated."""
+    rot = cos.shape[-1]
+    kr, k_pass = k[..., :rot], k[..., rot:]
+    half = rot // 2
+    if style == "slices":
+        out = kr * cos + torch.cat((-kr[..., half:], kr[..., :half]), dim=-1) * sin
+    elif style == "chunk":
+        x1, x2 = kr.chunk(2, dim=-1)
+        out = kr * cos + torch.cat((-x2, x1), dim=-1) * sin
+    elif style == "vllm":
+        c, s, x1, x2 = cos[..., :half], sin[..., :half], kr[..., :half], kr[..., half:]
+        out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    else:  # GPT-J pairs
+        c, s, x1, x2 = cos[..., :half], sin[..., :half], kr[..., ::2], kr[..., 1::2]
+        out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+    return torch.cat((out, k_pass), dim=-1) if k_pass.shape[-1] else out
+
+
+def _tables(spec: dict, positions, dtype):
+    """cos/sin of `positions` for the spec's rotary width and base, computed or gathered from a cache."""
+    rot = HEAD_DIM // 2 if spec["partial"] else HEAD_DIM
+    if spec["tables"] == "cache":  # vLLM/SGLang: a [max_pos, rot] cat(cos, sin) cache, gathered
+        freqs = torch.outer(torch.arange(MAX_POS).float(), _inv_freq(rot, spec["base"]))
+        cos, sin = torch.cat((freqs.cos(), freqs.sin()), -1).to(dtype).index_select(0, positions).chunk(2, dim=-1)
+        return torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+    freqs = torch.outer(positions.float(), _inv_freq(rot, spec["base"]))
+    emb = torch.cat((freqs, freqs), -1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 class FuzzLayer(nn.Module):
     def __init__(self, spec: dict):
         super().__init__()
@@ -59,43 +105,13 @@ class FuzzLayer(nn.Module):
         return qkv[..., 2 * width : 3 * width], qkv[..., 3 * width :]
 
     def norm(self, k):
-        kind, eps, w = self.spec["norm"], self.spec["eps"], self.norm_weight
-        if kind == "none":
-            return k
-        if kind == "f_rms_norm":
-            return F.rms_norm(k, (HEAD_DIM,), w, eps)
-        if kind == "no_upcast":
-            return k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + eps) * w
-        h = k.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        return w * h.to(k.dtype) if kind == "hf" else (h * (1.0 + w.float())).type_as(k)
+        return _norm(self.spec["norm"], self.spec["eps"], self.norm_weight, k)
 
-    def rotate(self, k, cos, sin):  # cos/sin [..., rotary_dim], neox halves repeated
-        rot = cos.shape[-1]
-        kr, k_pass = k[..., :rot], k[..., rot:]
-        style, half = self.spec["rope"], rot // 2
-        if style == "slices":
-            out = kr * cos + torch.cat((-kr[..., half:], kr[..., :half]), dim=-1) * sin
-        elif style == "chunk":
-            x1, x2 = kr.chunk(2, dim=-1)
-            out = kr * cos + torch.cat((-x2, x1), dim=-1) * sin
-        elif style == "vllm":
-            c, s, x1, x2 = cos[..., :half], sin[..., :half], kr[..., :half], kr[..., half:]
-            out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-        else:  # GPT-J pairs
-            c, s, x1, x2 = cos[..., :half], sin[..., :half], kr[..., ::2], kr[..., 1::2]
-            out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
-        return torch.cat((out, k_pass), dim=-1) if k_pass.shape[-1] else out
+    def rotate(self, k, cos, sin):
+        return _rotate(self.spec["rope"], k, cos, sin)
 
     def tables(self, positions, dtype):
-        rot = HEAD_DIM // 2 if self.spec["partial"] else HEAD_DIM
-        if self.spec["tables"] == "cache":  # vLLM/SGLang: a [max_pos, rot] cat(cos, sin) cache, gathered
-            freqs = torch.outer(torch.arange(MAX_POS).float(), _inv_freq(rot, self.spec["base"]))
-            cos, sin = torch.cat((freqs.cos(), freqs.sin()), -1).to(dtype).index_select(0, positions).chunk(2, dim=-1)
-            return torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
-        freqs = torch.outer(positions.float(), _inv_freq(rot, self.spec["base"]))
-        emb = torch.cat((freqs, freqs), -1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return _tables(self.spec, positions, dtype)
 
     def forward(self, x, positions, noise=None, joined_at=None):
         """`noise` and `joined_at` (a TOKEN_CAT_PLACES entry): a token-cat draft's noise rows and where they
@@ -146,6 +162,70 @@ class FuzzDraft(nn.Module):
         return tuple(out for layer in self.layers for out in layer(x, positions, noise, self.token_cat_at))
 
 
+STACKED_JOINS = ("stack", "unbind", "into_empty")  # how a stacked draft puts each layer's normed K back together
+REPEATS = ("repeat", "cat", "expand")  # how it repeats the positions for every layer's rows
+
+
+class StackedDraft(nn.Module):
+    """vLLM's DFlash context precompute in plain PyTorch: one linear over every layer's K and V weights
+    stacked, viewed [T, L, 2, H, D] and made layer-major, each layer's K normed on its own (its spec's norm
+    and eps), joined back (STACKED_JOINS), viewed [L * T, H, D] and rotated once with the cos/sin of the
+    positions repeated for every layer (REPEATS; `shift_last`: the last layer's rows read the next
+    positions, so its cos/sin differ)."""
+
+    def __init__(self, specs: list[dict], heads: int, join: str, repeat: str, shift_last: bool):
+        super().__init__()
+        self.specs, self.heads, self.join, self.repeat, self.shift_last = specs, heads, join, repeat, shift_last
+        self.kv = nn.Linear(HIDDEN, len(specs) * 2 * heads * HEAD_DIM, bias=specs[0]["bias"])
+        self.norm_weights = nn.ParameterList(nn.Parameter(torch.rand(HEAD_DIM) + 0.5) for _ in specs)
+
+    def forward(self, x, positions):  # [T, hidden], [T]: one sequence's context rows
+        layers, tokens = len(self.specs), x.shape[0]
+        kv = self.kv(x).view(tokens, layers, 2, self.heads, HEAD_DIM).permute(2, 1, 0, 3, 4).contiguous()
+
+        def norm(i, k):
+            return _norm(self.specs[i]["norm"], self.specs[i]["eps"], self.norm_weights[i], k)
+
+        if self.join == "into_empty":
+            k = torch.empty_like(kv[0])
+            for i in range(layers):
+                k[i] = norm(i, kv[0][i])
+        else:
+            pieces = kv[0].unbind(0) if self.join == "unbind" else [kv[0][i] for i in range(layers)]
+            k = torch.stack([norm(i, piece) for i, piece in enumerate(pieces)])
+        rows = k.view(layers * tokens, self.heads * HEAD_DIM).view(layers * tokens, self.heads, HEAD_DIM)
+        if self.shift_last:
+            repeated = torch.cat([positions] * (layers - 1) + [positions + 1])
+        elif self.repeat == "repeat":
+            repeated = positions.repeat(layers)
+        elif self.repeat == "cat":
+            repeated = torch.cat([positions] * layers)
+        else:
+            repeated = positions.expand(layers, tokens).reshape(-1)
+        cos, sin = _tables(self.specs[0], repeated, x.dtype)
+        k = _rotate(self.specs[0]["rope"], rows, cos[:, None], sin[:, None])
+        return k.view(layers, tokens, self.heads, HEAD_DIM), kv[1]
+
+
+def draw_stacked(seed: int) -> dict:
+    """A stacked draft's description (plain data), drawn from `seed`: one rotation for all layers, so only
+    a layer's eps or norm may deviate (or, `shift_last`, its positions)."""
+    rng = random.Random(seed)
+    spec = dict(
+        bias=rng.random() < 0.3, norm=rng.choice(NORMS), rope=rng.choice(ROPES), partial=rng.random() < 0.25,
+        tables=rng.choice(["computed", "cache"]), eps=1e-6, base=10000.0,
+    )  # fmt: skip
+    specs = [dict(spec) for _ in range(rng.choice([1, 2, 3, 4]))]
+    deviation = rng.choice([None, None, "eps", "norm", "shift_last"]) if len(specs) > 1 else None
+    if deviation in ("eps", "norm"):
+        specs[-1][deviation] = 1e-5 if deviation == "eps" else rng.choice([n for n in NORMS if n != spec["norm"]])
+    return dict(
+        specs=specs, heads=rng.choice([1, 2]), join=rng.choice(STACKED_JOINS), repeat=rng.choice(REPEATS),
+        shift_last=deviation == "shift_last", tokens=rng.choice([1, 3, 5]), dtype=rng.choice(["float32", "bfloat16"]),
+        dynamic=rng.random() < 0.2,
+    )  # fmt: skip
+
+
 def draw(seed: int) -> dict:
     """One draft's description (plain data), drawn from `seed`."""
     rng = random.Random(seed)
@@ -183,19 +263,36 @@ def check(seed: int) -> tuple[dict, fx_fusion.FusedKVPass, float, float]:
     draft = FuzzDraft(drawn["specs"], drawn["shared_norm"], drawn["token_cat_at"] if drawn["token_cat"] else None).to(dtype).eval()
     x = torch.randn(drawn["batch"], drawn["tokens"], HIDDEN, dtype=dtype)
     positions = torch.arange(drawn["tokens"]) + 3
+    return drawn, *_compare(draft, x, positions, drawn["dynamic"])
+
+
+def check_stacked(seed: int) -> tuple[dict, fx_fusion.FusedKVPass, float, float]:
+    """`check` for the stacked draft of `seed` (draw_stacked)."""
+    drawn = draw_stacked(seed)
+    dtype = getattr(torch, drawn["dtype"])
+    torch.manual_seed(seed)
+    draft = StackedDraft(drawn["specs"], drawn["heads"], drawn["join"], drawn["repeat"], drawn["shift_last"])
+    draft = draft.to(dtype).eval()
+    x = torch.randn(drawn["tokens"], HIDDEN, dtype=dtype)
+    positions = torch.randperm(MAX_POS - 1)[: drawn["tokens"]]
+    return drawn, *_compare(draft, x, positions, drawn["dynamic"])
+
+
+def _compare(draft: nn.Module, x: torch.Tensor, positions: torch.Tensor, dynamic: bool) -> tuple[fx_fusion.FusedKVPass, float, float]:
+    """(the pass, fx_fusion's worst relative error against eager, stock Inductor's) for one draft."""
     fused_kv_pass = fx_fusion.FusedKVPass()
     errors = []
     with torch.no_grad():
         ref = draft(x, positions)
         for options in ({"post_grad_custom_post_pass": fused_kv_pass}, {}):
             torch._dynamo.reset()
-            if drawn["dynamic"]:
-                torch._dynamo.maybe_mark_dynamic(x, 1)
+            if dynamic:
+                torch._dynamo.maybe_mark_dynamic(x, x.dim() - 2)
                 torch._dynamo.maybe_mark_dynamic(positions, 0)
             got = torch.compile(draft, options=options)(x, positions)
             assert [(g.shape, g.dtype) for g in got] == [(r.shape, r.dtype) for r in ref]
             errors.append(max(_relative_error(g, r) for g, r in zip(got, ref)))
-    return drawn, fused_kv_pass, errors[0], errors[1]
+    return fused_kv_pass, errors[0], errors[1]
 
 
 def within_tolerance(drawn: dict, error: float, stock_error: float) -> bool:
@@ -208,10 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--first", type=int, default=0)
     parser.add_argument("--count", type=int, default=200)
+    parser.add_argument("--stacked", action="store_true", help="stacked drafts (StackedDraft) instead")
     args = parser.parse_args(argv)
     bad = 0
     for seed in range(args.first, args.first + args.count):
-        drawn, fused_kv_pass, error, stock_error = check(seed)
+        drawn, fused_kv_pass, error, stock_error = (check_stacked if args.stacked else check)(seed)
         ok = within_tolerance(drawn, error, stock_error)
         groups = [g.describe() for r in fused_kv_pass.records for g in r.fused_groups]
         print(f"seed {seed}: {'ok' if ok else 'MISMATCH'} error {error:.1e} (stock {stock_error:.1e}) groups {groups} {drawn}", flush=True)

@@ -517,6 +517,22 @@ def test_erase_unused_removes_only_what_nothing_reads():
     graph.lint()
 
 
+def test_a_cut_reader_that_fails_leaves_the_projection_read_whole(monkeypatch, fresh_compile):
+    """An error while reading a projection's cuts (a layout nothing foresaw) never fails the compile: each
+    projection is read whole (separate K projections still fuse) and the results are eager's."""
+
+    def unforeseen(projection):
+        raise IndexError("unforeseen layout")
+
+    monkeypatch.setattr(kv_patterns, "branch_sources", unforeseen)
+    module = drafts.qwen3_context_kv(3)
+    inputs = drafts.example_inputs(module, seq_len=4)
+    with torch.no_grad():
+        compiled, counting = compile_counting(module)
+        assert_close_outputs(compiled(*inputs), module(*inputs), torch.float32)
+    assert [g.n_layers for g in counting.records[0].fused_groups] == [3]
+
+
 def test_single_layer_fused_by_default_and_min_layers_leaves_it_alone():
     module = drafts.qwen3_context_kv(1)
     inputs = drafts.example_inputs(module, seq_len=4)

@@ -70,3 +70,16 @@ def test_token_cats_of_cut_projections_fuse(seed):
     assert fuzz_spellings.within_tolerance(drawn, error, stock_error)
     groups = [g for record in fused_kv_pass.records for g in record.fused_groups]
     assert [g.n_layers for g in groups] == [len(drawn["specs"])] * 2, [g.describe() for g in groups]
+
+
+@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**20))
+def test_random_stacked_draft_matches_eager(seed):
+    """vLLM's DFlash precompute form (fuzz_spellings.StackedDraft): eager's results, and every layer in one
+    group when no layer deviates."""
+    drawn, fused_kv_pass, error, stock_error = fuzz_spellings.check_stacked(seed)
+    assert fuzz_spellings.within_tolerance(drawn, error, stock_error), (error, stock_error, drawn)
+    specs = drawn["specs"]
+    if all(spec == specs[0] for spec in specs) and not drawn["shift_last"]:
+        groups = [g for record in fused_kv_pass.records for g in record.fused_groups]
+        assert [g.n_layers for g in groups] == [len(specs)], (drawn, [g.describe() for g in groups])
