@@ -13,7 +13,9 @@ way; each piece's chain is then an ordinary K branch, and the context pieces of 
 group while the noise rows keep their own path. A cat is pushed when one of its pieces is a projection's
 output (or columns cut from it: K and V of a fused kv/qkv linear), when every piece is computed token by
 token from projections, or when it feeds a projection (a linear is per token too) and another such cat
-shares a piece with it (the context rows that every layer reads).
+shares a piece with it (the context rows that every layer reads). A linear over the cat's rows that
+Inductor zero-padded to aligned sizes (padded_linears; on CUDA it pads by timing) is first read as the
+plain linear it computes, so that it runs per piece too.
 
 The same push serves a draft that merges every layer's rows into one dim for one RoPE call (vLLM's DFlash
 context precompute: each layer's normed K stacked, a `torch.stack` being a cat along dim 0 and a view,
@@ -46,7 +48,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-from . import kv_patterns, strided_outputs
+from . import kv_patterns, padded_linears, strided_outputs
 from .kv_patterns import PROJECTION_OPS, is_call, same_size, val
 from .values import RESHAPES
 
@@ -127,14 +129,45 @@ def _reshapes_of(node: torch.fx.Node) -> set:
     return found
 
 
-def _feeds_projection(cat: torch.fx.Node) -> bool:
-    """Whether `cat`, or a reshape of it, is the input rows of a projection."""
+def _feeds_projection(cat: torch.fx.Node, padded: dict) -> bool:
+    """Whether `cat`, or a reshape of it, is the input rows of a projection (or of one that Inductor
+    zero-padded: `padded`, by input rows)."""
     for node in _reshapes_of(cat):
+        if node in padded:
+            return True
         for user in node.users:
             index = _row_input_index(user)
             if index is not None and user.args[index] is node:
                 return True
     return False
+
+
+def _padded_linears_by_rows(graph: torch.fx.Graph) -> dict:
+    """{unpadded input rows: [their linears that Inductor zero-padded (padded_linears)]}."""
+    padded: dict = {}
+    for node in graph.nodes:
+        linear = padded_linears.padded_linear(node) if is_call(node, aten.slice.Tensor) else None
+        if linear is not None:
+            padded.setdefault(linear.x2d, []).append(linear)
+    return padded
+
+
+def _unpad(graph: torch.fx.Graph, linear: padded_linears.PaddedLinear) -> None:
+    """Read a zero-padded linear as the plain linear it computes (the same values), so that it runs per
+    piece of the rows like any other; the padded product is left to dead-code elimination."""
+    def call(target, *args):
+        node = graph.call_function(target, args)
+        node.meta["val"] = target(*[a.meta["val"] for a in args])
+        return node
+
+    with graph.inserting_before(linear.cut):
+        if linear.bias is None:
+            plain = call(aten.mm.default, linear.x2d, linear.rhs)
+        elif is_call(linear.product, aten.addmm.default):
+            plain = call(aten.addmm.default, linear.bias, linear.x2d, linear.rhs)
+        else:  # the bias added to the product, rounded as the graph rounds it
+            plain = call(aten.add.Tensor, call(aten.mm.default, linear.x2d, linear.rhs), linear.bias)
+    linear.cut.replace_all_uses_with(plain)
 
 
 def _token_axis_cat(node: torch.fx.Node) -> Optional[int]:
@@ -534,13 +567,13 @@ class _Pusher:
         return self.call(aten.view.default, [joined, dims[:axis] + [-1] + dims[axis + 1 :]])
 
 
-def _pushable_cats(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, int]]:
+def _pushable_cats(graph: torch.fx.Graph, padded: dict) -> list[tuple[torch.fx.Node, int]]:
     """(cat, dim) for each cat along a token axis of projection outputs, of values computed token by
     token from projections, or of a projection's input rows that another such cat shares a piece with
     (the context rows every layer reads: pushed, each layer's linear of them can join one group; a cat
     of inputs that nothing shares, a batch joined for one projection say, stays whole)."""
     cats = [(node, _token_axis_cat(node)) for node in graph.nodes if _token_axis_cat(node) is not None]
-    feeding = [cat for cat, _ in cats if _feeds_projection(cat)]
+    feeding = [cat for cat, _ in cats if _feeds_projection(cat, padded)]
 
     def shares_a_piece(cat: torch.fx.Node) -> bool:
         return any(other is not cat and set(other.args[0]) & set(cat.args[0]) for other in feeding)
@@ -557,7 +590,11 @@ def _pushable_cats(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, int]]:
 def push_token_cats(graph: torch.fx.Graph) -> int:
     """Rewrite every pushable region (module docstring); returns how many cats were pushed down."""
     pushed = 0
-    for cat, dim in _pushable_cats(graph):
+    padded = _padded_linears_by_rows(graph)
+    for cat, dim in _pushable_cats(graph, padded):
+        for rows in _reshapes_of(cat):  # a padded linear over the cat's rows: its plain form, pushable
+            for linear in padded.pop(rows, []):
+                _unpad(graph, linear)
         order = {n: i for i, n in enumerate(graph.nodes)}
         pusher = _Pusher(graph, cat, dim)
         try:

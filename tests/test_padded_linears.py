@@ -92,7 +92,14 @@ def test_padded_projections_fuse_and_match_eager(inductor_pads_products, dtype):
     assert _count(after, aten.constant_pad_nd.default) == 0 and _count(after, aten.mm.default) == 0, after
 
 
-@pytest.mark.parametrize("name", ["hf_qwen3_bias", "sglang_dflash_kv_proj_only_bias", "zlab_dflash_ctx_noise_cat"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "hf_qwen3_bias", "sglang_dflash_kv_proj_only_bias", "zlab_dflash_ctx_noise_cat",
+        "dflash_projection_of_joined_rows",  # a padded linear over joined rows: read plain, run per piece
+        "vllm_dflash_precompute_stacked_norms",
+    ],
+)  # fmt: skip
 def test_corpus_spellings_fuse_when_padded(inductor_pads_products, name):
     (case,) = [c for c in spelling_corpus.CASES if c.name == name]
     got, ref, fused_kv_pass = compile_and_run(case, torch.bfloat16)
@@ -102,7 +109,9 @@ def test_corpus_spellings_fuse_when_padded(inductor_pads_products, name):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", ["hf_qwen3_bias", "sglang_dflash_kv_proj_only_bias", "falcon_new_decoder_broadcast_k"])
+@pytest.mark.parametrize(
+    "name", ["hf_qwen3_bias", "sglang_dflash_kv_proj_only_bias", "falcon_new_decoder_broadcast_k", "dflash_projection_of_joined_rows"]
+)
 def test_corpus_spellings_fuse_when_padded_on_cuda(name):
     """Inductor's own CUDA shape padding, forced instead of timed."""
     (case,) = [c for c in spelling_corpus.CASES if c.name == name]
