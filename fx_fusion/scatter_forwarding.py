@@ -3,7 +3,7 @@
 Code that updates a view in place (nano-vllm's RMSNorm: `x.mul_(rsqrt(...))` on `k`, a column view of
 the qkv output, when `x.float()` is a no-op in float32) reaches the post-grad graph functionalised: each
 update is a `slice_scatter` of the new columns into the whole output, and later reads of any columns are
-cuts of that scatter. Two exact identities turn these back into plain chains:
+cuts of that scatter. Exact identities turn these back into plain chains:
 
 - a cut of `slice_scatter(base, src, dim, start, end)` along `dim` over exactly [start, end) is `src`;
   over columns outside it, the same cut of `base`;

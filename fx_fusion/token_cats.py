@@ -154,19 +154,20 @@ def _padded_linears_by_rows(graph: torch.fx.Graph) -> dict:
 
 def _unpad(graph: torch.fx.Graph, linear: padded_linears.PaddedLinear) -> None:
     """Read a zero-padded linear as the plain linear it computes (the same values), so that it runs per
-    piece of the rows like any other; the padded product is left to dead-code elimination."""
+    piece of the rows like any other; the padded product is left to dead-code elimination. Call it with
+    the graph inserting before the linear's cut."""
     def call(target, *args):
+        value = target(*[a.meta["val"] for a in args])  # first: a failure leaves no node behind
         node = graph.call_function(target, args)
-        node.meta["val"] = target(*[a.meta["val"] for a in args])
+        node.meta["val"] = value
         return node
 
-    with graph.inserting_before(linear.cut):
-        if linear.bias is None:
-            plain = call(aten.mm.default, linear.x2d, linear.rhs)
-        elif is_call(linear.product, aten.addmm.default):
-            plain = call(aten.addmm.default, linear.bias, linear.x2d, linear.rhs)
-        else:  # the bias added to the product, rounded as the graph rounds it
-            plain = call(aten.add.Tensor, call(aten.mm.default, linear.x2d, linear.rhs), linear.bias)
+    if linear.bias is None:
+        plain = call(aten.mm.default, linear.x2d, linear.rhs)
+    elif is_call(linear.product, aten.addmm.default):
+        plain = call(aten.addmm.default, linear.bias, linear.x2d, linear.rhs)
+    else:  # the bias added to the product, rounded as the graph rounds it
+        plain = call(aten.add.Tensor, call(aten.mm.default, linear.x2d, linear.rhs), linear.bias)
     linear.cut.replace_all_uses_with(plain)
 
 
@@ -592,12 +593,13 @@ def push_token_cats(graph: torch.fx.Graph) -> int:
     pushed = 0
     padded = _padded_linears_by_rows(graph)
     for cat, dim in _pushable_cats(graph, padded):
-        for rows in _reshapes_of(cat):  # a padded linear over the cat's rows: its plain form, pushable
-            for linear in padded.pop(rows, []):
-                _unpad(graph, linear)
-        order = {n: i for i, n in enumerate(graph.nodes)}
         pusher = _Pusher(graph, cat, dim)
         try:
+            for rows in _reshapes_of(cat):  # a padded linear over the cat's rows: its plain form, pushable
+                for linear in padded.pop(rows, []):
+                    with graph.inserting_before(linear.cut):
+                        _unpad(graph, linear)
+            order = {n: i for i, n in enumerate(graph.nodes)}
             region = _grow(graph, pusher, order)
             joins = _joins(pusher, region, order) if len(region) > 1 else {}
         except Exception:  # a graph shape not foreseen: never fail a compile, leave this cat as it was
