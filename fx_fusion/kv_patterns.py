@@ -1333,6 +1333,17 @@ def symbol_inputs(graph: torch.fx.Graph) -> dict:
     return symbols
 
 
+def add_call(graph: torch.fx.Graph, target, args, kwargs=None) -> torch.fx.Node:
+    """A new call of `target` at the graph's insertion point, with its fake value (computed first, so that
+    a call the fake tensors refuse adds no node)."""
+    args, kwargs = tuple(args), kwargs or {}
+    fake_args, fake_kwargs = torch.fx.map_arg((args, kwargs), lambda n: n.meta["val"])
+    value = target(*fake_args, **fake_kwargs)
+    node = graph.call_function(target, args, kwargs)
+    node.meta["val"] = value
+    return node
+
+
 def erase_unused(nodes: list[torch.fx.Node]) -> None:
     """Erase each of `nodes` that nothing reads and that has no effect, then what only those read, and so on:
     what a rewrite replaced, without a dead-code pass over the whole graph."""

@@ -10,6 +10,7 @@ keeps the choice in its on-disk cache, so one compile of a model may pad a proje
 not. The padding adds only zero terms to each sum and rows and columns that the cuts drop again, so the
 cut product holds the values of the unpadded linear: the pass reads it as a linear of `x`, `W` and `b`,
 and once the cut's readers are rewritten the padded product is dead code (`kv_patterns.erase_unused`).
+Where a linear must run per piece of its rows (token_cats), `read_plain` puts the plain linear in its place.
 """
 
 from __future__ import annotations
@@ -108,3 +109,17 @@ def padded_linear(node: torch.fx.Node) -> Optional[PaddedLinear]:
     if bias is not None and _shape(bias) != [rhs_shape[1]]:
         return None
     return PaddedLinear(cut, product, x2d, rhs, bias, tuple(inner[1:]))
+
+
+def read_plain(graph: torch.fx.Graph, linear: PaddedLinear) -> None:
+    """Replace the cut's uses with the plain linear it computes (the same values: an mm, an addmm, or an mm
+    and the bias added after it, as the product had it); the padded product is left to dead-code removal."""
+    x2d, rhs, bias = linear.x2d, linear.rhs, linear.bias
+    with graph.inserting_before(linear.cut):
+        if bias is None:
+            plain = kv_patterns.add_call(graph, aten.mm.default, [x2d, rhs])
+        elif kv_patterns.is_call(linear.product, aten.addmm.default):
+            plain = kv_patterns.add_call(graph, aten.addmm.default, [bias, x2d, rhs])
+        else:  # rounded as the graph rounds it: the product, then the bias
+            plain = kv_patterns.add_call(graph, aten.add.Tensor, [kv_patterns.add_call(graph, aten.mm.default, [x2d, rhs]), bias])
+    linear.cut.replace_all_uses_with(plain)

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import torch.fx
 
-from .kv_patterns import erase_unused, is_call, same_size, static_shape, val
+from .kv_patterns import add_call, erase_unused, is_call, same_size, static_shape, val
 from .values import RESHAPES
 
 aten = torch.ops.aten
@@ -116,26 +116,20 @@ def _stacked(graph: torch.fx.Graph, node: torch.fx.Node) -> Optional[torch.fx.No
     shape = [size if isinstance(size, int) else -1 for size in val(node).shape]  # one symbolic size: -1
     if shape.count(-1) > 1:
         return None
-    created: list[torch.fx.Node] = []
+    added: list[torch.fx.Node] = []
+
+    def add(target, args) -> torch.fx.Node:
+        added.append(add_call(graph, target, args))
+        return added[-1]
+
     try:
         with graph.inserting_before(node):
             if dim == 0:
-                return _call(graph, created, aten.reshape.default, [_call(graph, created, aten.cat.default, [values, 0]), shape])
-            unsqueezed = [_call(graph, created, aten.unsqueeze.default, [v, dim]) for v in values]
-            return _call(graph, created, aten.cat.default, [unsqueezed, dim])
+                return add(aten.reshape.default, [add(aten.cat.default, [values, 0]), shape])
+            return add(aten.cat.default, [[add(aten.unsqueeze.default, [v, dim]) for v in values], dim])
     except Exception:  # a value the fake ops cannot join: leave the scatters as they are
-        for made in reversed(created):
-            graph.erase_node(made)
+        erase_unused(added)
         return None
-
-
-def _call(graph: torch.fx.Graph, created: list, target, args: list) -> torch.fx.Node:
-    """A new node with its fake value, recorded in `created`."""
-    node = graph.call_function(target, tuple(args))
-    created.append(node)
-    fake_args = torch.fx.map_arg(node.args, lambda n: n.meta["val"])
-    node.meta["val"] = target(*fake_args)
-    return node
 
 
 def forward_scattered_views(graph: torch.fx.Graph, rounds: int = 8) -> int:

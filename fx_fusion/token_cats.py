@@ -152,25 +152,6 @@ def _padded_linears_by_rows(graph: torch.fx.Graph) -> dict:
     return padded
 
 
-def _unpad(graph: torch.fx.Graph, linear: padded_linears.PaddedLinear) -> None:
-    """Read a zero-padded linear as the plain linear it computes (the same values), so that it runs per
-    piece of the rows like any other; the padded product is left to dead-code elimination. Call it with
-    the graph inserting before the linear's cut."""
-    def call(target, *args):
-        value = target(*[a.meta["val"] for a in args])  # first: a failure leaves no node behind
-        node = graph.call_function(target, args)
-        node.meta["val"] = value
-        return node
-
-    if linear.bias is None:
-        plain = call(aten.mm.default, linear.x2d, linear.rhs)
-    elif is_call(linear.product, aten.addmm.default):
-        plain = call(aten.addmm.default, linear.bias, linear.x2d, linear.rhs)
-    else:  # the bias added to the product, rounded as the graph rounds it
-        plain = call(aten.add.Tensor, call(aten.mm.default, linear.x2d, linear.rhs), linear.bias)
-    linear.cut.replace_all_uses_with(plain)
-
-
 def _token_axis_cat(node: torch.fx.Node) -> Optional[int]:
     """The dim of a cat of two or more pieces along a dim other than the last (a token axis), else None."""
     if not is_call(node, aten.cat.default) or len(node.args[0]) < 2:
@@ -290,10 +271,8 @@ class _Pusher:
         return self._sizes[("start", piece)]
 
     def call(self, target, args, kwargs=None) -> torch.fx.Node:
-        node = self.graph.call_function(target, tuple(args), kwargs or {})
+        node = kv_patterns.add_call(self.graph, target, args, kwargs)
         self.created.append(node)
-        fake_args, fake_kwargs = torch.fx.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-        node.meta["val"] = target(*fake_args, **fake_kwargs)
         return node
 
     def erase(self) -> None:
@@ -597,8 +576,7 @@ def push_token_cats(graph: torch.fx.Graph) -> int:
         try:
             for rows in _reshapes_of(cat):  # a padded linear over the cat's rows: its plain form, pushable
                 for linear in padded.pop(rows, []):
-                    with graph.inserting_before(linear.cut):
-                        _unpad(graph, linear)
+                    padded_linears.read_plain(graph, linear)
             order = {n: i for i, n in enumerate(graph.nodes)}
             region = _grow(graph, pusher, order)
             joins = _joins(pusher, region, order) if len(region) > 1 else {}
