@@ -148,8 +148,8 @@ def grouped_linear_k_epilogue_body(
     common, token_major = ops._common_and_token_major(materialize_args, materialize_kwargs)
     ops._validate(common)
     c = ops.CommonArgs(*common)
-    if not x.is_cuda or isinstance(x.shape[0], torch.SymInt):
-        raise NotImplementedError("the fused launch serves CUDA tensors of a known token count")
+    if not x.is_cuda or isinstance(x.shape[0], torch.SymInt) or x.shape[0] > MAX_EPILOGUE_TOKENS:
+        raise NotImplementedError(f"the fused launch serves CUDA tensors with up to {MAX_EPILOGUE_TOKENS} tokens")
     n_tokens, n_blocks = c.k_proj.shape[:2]
     out = x.new_empty((n_tokens, sum(w.shape[0] for w in weights)))
     # Allocated from x: k_proj, a view of the grouped output this launch replaces, is only described.
@@ -171,15 +171,9 @@ def grouped_linear_k_epilogue_body(
         k_out, *k_columns, norm_weights, c.eps, c.eps_value, c.cos, c.sin, c.positions, c.rotary_dim,
         c.interleaved, c.norm_weight_offset, c.norm_weight_in_float32, c.norm_round_before_rope, angles,
     )  # fmt: skip
-    if n_tokens <= MAX_EPILOGUE_TOKENS:
-        reason = grouped_gemv_unsupported_reason(x, blocks, bias_blocks, out)
-        reason = reason or k_epilogue_unsupported_reason(blocks[0].shape[0], out.shape[1], epilogue, out)
-        if reason is not None:
-            raise NotImplementedError(reason)
-        launch_grouped_gemv(x, blocks, bias_blocks, out, k_epilogue=epilogue, traceable=True)
-        return out, k_out
-    reason = grouped_gemm_tma.epilogue_unsupported_reason(x, weights, biases, out, epilogue)
+    reason = grouped_gemv_unsupported_reason(x, blocks, bias_blocks, out)
+    reason = reason or k_epilogue_unsupported_reason(blocks[0].shape[0], out.shape[1], epilogue, out)
     if reason is not None:
-        raise NotImplementedError(f"{n_tokens} tokens: past {MAX_EPILOGUE_TOKENS} the TMA kernel's epilogue: {reason}")
-    grouped_gemm_tma.launch(x, weights, biases, out, k_epilogue=epilogue, traceable=True)
+        raise NotImplementedError(reason)
+    launch_grouped_gemv(x, blocks, bias_blocks, out, k_epilogue=epilogue, traceable=True)
     return out, k_out

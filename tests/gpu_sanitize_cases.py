@@ -178,18 +178,6 @@ def main() -> int:
     checks["k-epilogue-5-layers-17-tokens-angles"] = functools.partial(check_k_epilogue, real_angles, "cuda")
     heads_256 = EpilogueCase(tokens=32, layers=2, heads=4, head_dim=256, hidden=2048, tables="angles", swap_ab=True)
     checks["k-epilogue-2-layers-32-tokens-heads-256-swap-ab"] = functools.partial(check_k_epilogue, heads_256, "cuda")
-    if torch.cuda.get_device_capability() >= (9, 0):  # the TMA kernel's epilogue: partial token tiles, K tails,
-        # positions at the cache's edges, strided angle positions, two launches, heads of 64 and 256 dims,
-        # the tile loop warp-specialized
-        for name, fields in {
-            "positions": dict(tables="positions"), "angles": dict(tables="angles", interleaved=True),
-            "per-layer-tables-token-major": dict(tables="per_layer", token_major=True),
-            "two-launches-bias": dict(layers=9, bias=True), "heads-64": dict(head_dim=64, heads=4),
-            "heads-256": dict(head_dim=256, heads=2, tables="angles"),
-            "warp-specialized": dict(warp_specialize=True),
-        }.items():  # fmt: skip
-            case = EpilogueCase(**dict(dict(tokens=333, layers=5, heads=8, head_dim=128, hidden=1096, tma=True), **fields))
-            checks[f"tma-k-epilogue-{name}"] = functools.partial(check_k_epilogue, case, "cuda")
     unswapped = dataclasses.replace(real_angles, tokens=32, swap_ab=False)  # the launch off Hopper
     checks["k-epilogue-5-layers-32-tokens-angles-no-swap"] = functools.partial(check_k_epilogue, unswapped, "cuda")
     checks["compiled-zlab-angles-from-the-positions-end"] = compiled_angles_from_the_positions_end

@@ -41,13 +41,13 @@ def _case(device: str, **fields) -> Case:
     return Case(**defaults)
 
 
-def run_case(case: Case, device: str, seed: int = 0, **options) -> None:
+def run_case(case: Case, device: str, seed: int = 0) -> None:
     gen = torch.Generator().manual_seed(seed)
     x = make_x(case, device, gen)
     weights, biases = make_weights(case, device, gen)
     out, _ = poisoned_out(case, device)
     assert tma.unsupported_reason(x, weights, biases, out) is None
-    tma.launch(x, weights, biases, out, **options)
+    tma.launch(x, weights, biases, out)
     assert_matches_reference(out, x, weights, biases)
 
 
@@ -55,19 +55,6 @@ def run_case(case: Case, device: str, seed: int = 0, **options) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_matches_reference(dtype: torch.dtype, bias: bool, device: str) -> None:
     run_case(_case(device, dtype=dtype, bias=bias), device)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("block_n", [128, 256])
-@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
-def test_warp_specialized_tiles_on_cuda(block_n: int, bias: bool, device: str) -> None:
-    """The tile loop warp-specialized (a tuning option: a producer warp group loads, consumer groups
-    multiply), with tails everywhere, and 18 weights in two launches."""
-    if device != "cuda":
-        pytest.skip("warp specialization is a compiled-kernel option")
-    options = {"WARP_SPECIALIZE": True, "num_warps": 4, "BLOCK_N": block_n, "num_stages": 5 if block_n == 128 else 3}
-    run_case(_case(device, bias=bias), device, **options)
-    run_case(_case(device, n_weights=18, n=300), device, seed=3, **options)
 
 
 def test_row_blocks_of_one_parameter_into_a_column_slice(device: str) -> None:

@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 
 from fx_fusion import drafts
 from fx_fusion.diagnostics import RecordSink
-from fx_fusion.kernels import grouped_gemm_tma as tma
 from fx_fusion.kernels import grouped_gemv
 from fx_fusion.kernels.fused_kv_materialize import launch_fused_kv_materialize
 from fx_fusion.kernels.grouped_gemv import KEpilogue, RotaryAngles, k_epilogue_unsupported_reason, launch_grouped_gemv
@@ -58,8 +57,6 @@ class Case:
     token_major: bool = False
     split_k: int | None = None
     swap_ab: bool | None = None  # None: the heuristic's choice
-    tma: bool = False  # the TMA grouped GEMM's epilogue (grouped_gemm_tma) rather than grouped_gemv's
-    warp_specialize: bool = False  # TMA: the tile loop warp-specialized (a producer and consumer warp groups)
 
 
 def weights_and_columns(case: Case, gen, device):
@@ -160,13 +157,8 @@ def run_case(case: Case, device: str) -> None:
         k_out, *columns, norm_weights, eps, 1e-6, cos, sin, positions, rotary_dim, case.interleaved, offset,
         case.weight_in_float32, case.round_before_rope, angles,
     )  # fmt: skip
-    if case.tma:
-        assert tma.epilogue_unsupported_reason(x, weights, biases, out, epilogue) is None
-        options = {"WARP_SPECIALIZE": True, "num_warps": 4} if case.warp_specialize else {}
-        tma.launch(x, weights, biases, out, k_epilogue=epilogue, **options)
-    else:
-        assert k_epilogue_unsupported_reason(weights[0].shape[0], n_columns, epilogue, out) is None
-        launch_grouped_gemv(x, weights, biases, out, k_epilogue=epilogue, split_k=case.split_k, swap_ab=case.swap_ab)
+    assert k_epilogue_unsupported_reason(weights[0].shape[0], n_columns, epilogue, out) is None
+    launch_grouped_gemv(x, weights, biases, out, k_epilogue=epilogue, split_k=case.split_k, swap_ab=case.swap_ab)
 
     expected = torch.cat([x.double() @ w.double().t() for w in weights], dim=1)
     if biases:
@@ -238,82 +230,6 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_epilogue_matches_references(name: str, device: str) -> None:
     run_case(CASES[name], device)
-
-
-# The TMA kernel's epilogue: 6+ weights of one shape, tokens in its range (grouped_gemm_tma.token_range), 16-bit,
-# RoPE over whole heads; tiles of 16 tokens on CPU, 128 on CUDA, so 300 tokens leave a partial token tile.
-TMA_CASES = {
-    "neox": Case(),
-    "interleaved": Case(interleaved=True),
-    "norm_table": Case(norm="table"),
-    "no_norm": Case(norm="none"),
-    "positions": Case(tables="positions"),
-    "positions_interleaved": Case(tables="positions", interleaved=True),
-    "per_layer_tables": Case(tables="per_layer"),
-    "angles": Case(tables="angles"),
-    "angles_interleaved_float16": Case(tables="angles", interleaved=True, dtype=torch.float16),
-    "eps_tensor": Case(eps_tensor=True),
-    "weight_in_float32": Case(weight_in_float32=True),
-    "float32_through_rope": Case(weight_in_float32=True, round_before_rope=False),
-    "k_then_v": Case(layout="k_then_v"),
-    "qkv_groups": Case(layout="qkv_groups", heads=3, layers=6),  # one weight per layer: 6 for the range
-    "bias": Case(bias=True),
-    "token_major": Case(token_major=True),
-    "two_launches": Case(layers=9),  # 18 weights: K heads in both launches of 16 and 2
-    "heads_of_32_dims": Case(head_dim=32, hidden=48),
-}
-
-
-@pytest.fixture
-def tma_device(device: str) -> str:
-    if device == "cuda" and torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("TMA needs compute capability 9.0 or newer")
-    if device == "cpu" and tma._triton_version() < tma.MIN_INTERPRETER_VERSION:
-        pytest.skip(f"Triton {triton.__version__}'s interpreter does not run the TMA kernel")
-    return device
-
-
-@pytest.mark.parametrize("name", list(TMA_CASES))
-def test_tma_epilogue_matches_references(name: str, tma_device: str) -> None:
-    case = dataclasses.replace(TMA_CASES[name], tma=True, tokens=300)
-    if tma_device == "cuda":  # whole TMA tiles of 128 x head_dim and K steps of 64, with tails
-        case = dataclasses.replace(case, heads=8, head_dim=128, hidden=1096, tokens=333)
-    run_case(case, tma_device)
-
-
-@pytest.mark.gpu
-@CUDA
-@pytest.mark.parametrize("warp_specialize", [False, True], ids=["plain", "warp_specialized"])
-@pytest.mark.parametrize("layers, tokens, tables", [(5, 1000, "shared"), (5, 257, "angles"), (3, 700, "positions")])
-def test_tma_epilogue_at_real_widths(layers: int, tokens: int, tables: str, warp_specialize: bool, monkeypatch) -> None:
-    """Qwen3-8B-like widths on Hopper: 8 heads x 128 over hidden 4096, the launch's own 128 x 128 tiles, and
-    the tile loop warp-specialized (a tuning option of the launch)."""
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("TMA needs compute capability 9.0 or newer")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    case = Case(tokens=tokens, layers=layers, heads=8, head_dim=128, hidden=4096, tables=tables, tma=True)
-    run_case(dataclasses.replace(case, warp_specialize=warp_specialize), "cuda")
-
-
-@pytest.mark.parametrize(
-    "case, reason",
-    [
-        (Case(rotary_dim=8, tokens=300), "RoPE over 8 of 16 dims"),
-        (Case(tokens=100), "outside"),  # below the kernel's token range
-        (Case(dtype=torch.float32, tokens=300), "share one of"),
-    ],
-    ids=["partial_rotary", "too_few_tokens", "float32"],
-)
-def test_tma_epilogue_refusals(case: Case, reason: str, monkeypatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    x, weights, biases, columns, _, norm_weights, eps, cos, sin, positions, angles = make_inputs(case, "cpu")
-    out = torch.empty(case.tokens, sum(w.shape[0] for w in weights), dtype=case.dtype)
-    k_out = torch.empty(case.layers, case.tokens, case.heads, case.head_dim, dtype=case.dtype)
-    epilogue = KEpilogue(
-        k_out, *columns, norm_weights, eps, 1e-6, cos, sin, positions, case.rotary_dim or case.head_dim,
-        case.interleaved, 0.5, False, True, angles,
-    )  # fmt: skip
-    assert reason in tma.epilogue_unsupported_reason(x, weights, biases, out, epilogue)
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -465,15 +381,10 @@ def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.gpu
 @CUDA
 @pytest.mark.parametrize("graphed", [False, True], ids=["plain", "cudagraphs"])
-@pytest.mark.parametrize(
-    "family, n_layers, tokens", [("qwen3", 5, 1), ("qwen3", 1, 16), ("llama", 3, 32), ("qwen3", 5, 300), ("llama", 3, 1000)]
-)
+@pytest.mark.parametrize("family, n_layers, tokens", [("qwen3", 5, 1), ("qwen3", 1, 16), ("llama", 3, 32)])
 def test_compiled_draft_runs_one_kernel_for_its_context_kv(family, n_layers, tokens, graphed) -> None:
-    """The grouped GEMM normalises and rotates K itself: Inductor's code launches the grouped kernel (up to
-    32 tokens) or the TMA grouped GEMM (a few hundred to a thousand, Hopper) and no materialization kernel;
-    the results match eager and the run without the epilogue."""
-    if tokens > grouped_gemv.MAX_EPILOGUE_TOKENS and torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("the TMA kernel needs compute capability 9.0 or newer")
+    """The grouped GEMM normalises and rotates K itself: Inductor's code launches the grouped kernel and no
+    materialization kernel; the results match eager and the run without the epilogue."""
     build = drafts.qwen3_context_kv if family == "qwen3" else drafts.llama_context_kv
     module = build(n_layers, hidden_size=2048, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, device="cuda")
     inputs = drafts.example_inputs(module, seq_len=tokens)
@@ -490,8 +401,7 @@ def test_compiled_draft_runs_one_kernel_for_its_context_kv(family, n_layers, tok
         unfused = torch.compile(module, backend="fx_fusion", options={**options, "gemm_epilogue": False})(*inputs)
     code = "\n".join(codes)
     assert records[0].gemm_epilogues == 1 and not records[0].ops_kept, records[0].gemm_epilogue_notes
-    kernel = "_grouped_gemv_kernel" if tokens <= grouped_gemv.MAX_EPILOGUE_TOKENS else "_grouped_gemm_tma_kernel"
-    assert kernel in code and "_fused_kv_materialize_kernel" not in code
+    assert "_grouped_gemv_kernel" in code and "_fused_kv_materialize_kernel" not in code
     assert records[-1].gemm_epilogues == 0
     for g, r, u, again in zip(got, ref, unfused, replayed):
         assert _relative_error(g, r) < 1e-2
