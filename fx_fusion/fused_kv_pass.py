@@ -75,7 +75,7 @@ from fx_fusion.kernels.fused_kv_materialize import MAX_NORM_WEIGHTS_PER_LAUNCH
 from . import bias_adds, cache_writes, kv_patterns, op_lowering, probe_sizes, rotary_action, rotary_angles, scatter_forwarding, strided_outputs, token_cats
 from .diagnostics import FusedGroup, PassRecord, RecordSink, Rejection, node_location
 from .kv_patterns import KBranch, NoMatch, Projection, is_call, val
-from . import memo, padded_linears, values
+from . import layer_unstack, memo, padded_linears, values
 from .padded_linears import padded_linear
 from .values import RESHAPES, ValueKeys
 
@@ -134,6 +134,7 @@ class FusedKVPass(CustomGraphPass):
             padded_linears.__file__,
             probe_sizes.__file__,
             scatter_forwarding.__file__,
+            layer_unstack.__file__,
             bias_adds.__file__,
             token_cats.__file__,
             strided_outputs.__file__,
@@ -337,9 +338,11 @@ def fuse_kv_groups(graph: torch.fx.Graph, min_layers: int = 1, stack_weights_in_
     mm over `cat(weights)` in the graph, for Inductor freezing to fold into one constant (no op call)."""
     record = PassRecord()
     fake_mode = _fake_mode(graph)
-    # canonical forms first: in-place column updates as plain chains, projections concatenated along
-    # tokens before the norm (z-lab DFlash) as one chain per projection
+    # canonical forms first: in-place column updates as plain chains, one norm over a layer-major stack of
+    # every layer's K as one norm per layer, projections concatenated along tokens before the norm (z-lab
+    # DFlash) as one chain per projection
     scatter_forwarding.forward_scattered_views(graph)
+    layer_unstack.unstack_layer_chains(graph)
     bias_adds.move_bias_adds_to_products(graph)
     if token_cats.push_token_cats(graph):
         graph.eliminate_dead_code()

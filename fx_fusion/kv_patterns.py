@@ -450,11 +450,23 @@ def _is_whole_slice(node) -> bool:
     return start == 0 and step == 1 and isinstance(end, int) and end >= static_shape(node.args[0])[dim]
 
 
+def _stacked_weight_row(node) -> bool:
+    """Row i of norm weights stacked for all layers, `W[i]` of a `[L, D]` view of a parameter: a 1-D select
+    along dim 0 (`layer_unstack` reads a norm over all layers' K with weights `[L, 1, 1, D]` so)."""
+    if not is_call(node, aten.select.int) or node.args[1] != 0 or not isinstance(node.args[2], int):
+        return False
+    source = node.args[0]
+    while is_call(source, aten.view.default, aten.reshape.default):
+        source = source.args[0]
+    return val(node).dim() == 1 and is_weight_input(source)
+
+
 def _norm_weight_parameter(weight: torch.fx.Node) -> tuple[torch.fx.Node, float]:
     """The parameter behind a norm's weight operand and its offset: w, w.float(), (1 + w.float()), and
-    their views (unsqueeze, view, whole slices) in any order."""
+    their views (unsqueeze, view, whole slices) in any order; or one layer's row of stacked weights
+    (`_stacked_weight_row`)."""
     offset, node = 0.0, weight
-    while not is_weight_input(node):
+    while not is_weight_input(node) and not _stacked_weight_row(node):
         if _is_cast(node) or _is_whole_slice(node) or is_call(node, aten.unsqueeze.default, aten.view.default, aten.reshape.default):
             node = node.args[0]
             continue

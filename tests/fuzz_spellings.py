@@ -162,7 +162,10 @@ class FuzzDraft(nn.Module):
         return tuple(out for layer in self.layers for out in layer(x, positions, noise, self.token_cat_at))
 
 
-STACKED_JOINS = ("stack", "unbind", "into_empty")  # how a stacked draft puts each layer's normed K back together
+# how a stacked draft norms each layer's K and puts them back together ("one_norm": one norm over all layers'
+# K at once, the weights stacked [L, 1, 1, D])
+STACKED_JOINS = ("stack", "unbind", "into_empty", "one_norm")
+ONE_NORM_NORMS = ("hf", "gemma", "no_upcast")  # the spellings whose weight may be a stacked tensor
 REPEATS = ("repeat", "cat", "expand")  # how it repeats the positions for every layer's rows
 
 
@@ -186,7 +189,10 @@ class StackedDraft(nn.Module):
         def norm(i, k):
             return _norm(self.specs[i]["norm"], self.specs[i]["eps"], self.norm_weights[i], k)
 
-        if self.join == "into_empty":
+        if self.join == "one_norm":
+            weights = torch.stack(list(self.norm_weights)).view(layers, 1, 1, HEAD_DIM)
+            k = _norm(self.specs[0]["norm"], self.specs[0]["eps"], weights, kv[0])
+        elif self.join == "into_empty":
             k = torch.empty_like(kv[0])
             for i in range(layers):
                 k[i] = norm(i, kv[0][i])
@@ -215,12 +221,16 @@ def draw_stacked(seed: int) -> dict:
         bias=rng.random() < 0.3, norm=rng.choice(NORMS), rope=rng.choice(ROPES), partial=rng.random() < 0.25,
         tables=rng.choice(["computed", "cache"]), eps=1e-6, base=10000.0,
     )  # fmt: skip
+    join = rng.choice(STACKED_JOINS)
+    if join == "one_norm":  # one expression: one norm and eps for all layers
+        spec["norm"] = rng.choice(ONE_NORM_NORMS)
     specs = [dict(spec) for _ in range(rng.choice([1, 2, 3, 4]))]
-    deviation = rng.choice([None, None, "eps", "norm", "shift_last"]) if len(specs) > 1 else None
+    deviations = [None, None, "shift_last"] if join == "one_norm" else [None, None, "eps", "norm", "shift_last"]
+    deviation = rng.choice(deviations) if len(specs) > 1 else None
     if deviation in ("eps", "norm"):
         specs[-1][deviation] = 1e-5 if deviation == "eps" else rng.choice([n for n in NORMS if n != spec["norm"]])
     return dict(
-        specs=specs, heads=rng.choice([1, 2]), join=rng.choice(STACKED_JOINS), repeat=rng.choice(REPEATS),
+        specs=specs, heads=rng.choice([1, 2]), join=join, repeat=rng.choice(REPEATS),
         shift_last=deviation == "shift_last", tokens=rng.choice([1, 3, 5]), dtype=rng.choice(["float32", "bfloat16"]),
         dynamic=rng.random() < 0.2,
     )  # fmt: skip

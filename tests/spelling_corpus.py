@@ -400,29 +400,38 @@ def explain_vllm_model():
 # [1]; each layer's K normed by its own k_norm (the custom op writes into `torch.empty_like(all_k)[i]`;
 # here either that or a torch.stack), then one RoPE over all layers' rows at once: K viewed
 # [L * T, kv], the cos/sin cache gathered at `positions.repeat(L)`. `respelled`: the layers cut with
-# `unbind` and the positions repeated by `expand(L, T).reshape(-1)` (the same values).
+# `unbind` and the positions repeated by `expand(L, T).reshape(-1)` (the same values). `one_norm`: all
+# layers' K normed in one expression, RMSNorm.forward_native's math over the layer-major [L, T, H, D] K with
+# the layers' weights stacked [L, 1, 1, D] (a stacked-weights rewrite of the per-layer norms).
 # vllm-project/vllm vllm/model_executor/models/qwen3_dflash.py (DFlashQwen3Model._build_fused_kv_buffers,
 # precompute_and_store_context_kv), vllm/model_executor/layers/layernorm.py (RMSNorm.forward_native),
 # vllm/model_executor/layers/rotary_embedding/common.py (apply_rotary_emb_torch)
 
 
 class VllmDflashPrecompute(nn.Module):
-    def __init__(self, norms_into_empty: bool = False, respelled: bool = False):
+    def __init__(self, norms_into_empty: bool = False, respelled: bool = False, one_norm: bool = False):
         super().__init__()
-        self.norms_into_empty, self.respelled = norms_into_empty, respelled
+        self.norms_into_empty, self.respelled, self.one_norm = norms_into_empty, respelled, one_norm
         self.kv_size = KV_HEADS * HEAD_DIM
         self.hidden_norm = VllmRMSNorm(HIDDEN)
         self.fused_kv_weight = nn.Parameter(torch.randn(N_LAYERS * 2 * self.kv_size, HIDDEN) / HIDDEN**0.5)
         self.k_norms = nn.ModuleList(VllmRMSNorm(HEAD_DIM) for _ in range(N_LAYERS))
         self.register_buffer("cos_sin_cache", _cos_sin_cache(HEAD_DIM), persistent=False)
         _randomize_norm_weights(self)
+        if one_norm:
+            stacked = torch.stack([norm.weight.detach() for norm in self.k_norms]).view(N_LAYERS, 1, 1, HEAD_DIM)
+            self.k_norm_weights = nn.Parameter(stacked.clone())
 
     def forward(self, context_states, context_positions):  # [T, hidden], [T]
         num_ctx = context_states.shape[0]
         all_kv_flat = F.linear(self.hidden_norm(context_states), self.fused_kv_weight)
         all_kv = all_kv_flat.view(num_ctx, N_LAYERS, 2, KV_HEADS, HEAD_DIM).permute(2, 1, 0, 3, 4).contiguous()
         all_k, all_v = all_kv[0], all_kv[1]  # [L, T, H, D]
-        if self.norms_into_empty:
+        if self.one_norm:
+            x = all_k.to(torch.float32)
+            x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.k_norms[0].variance_epsilon)
+            all_k_normed = x.to(all_k.dtype) * self.k_norm_weights
+        elif self.norms_into_empty:
             all_k_normed = torch.empty_like(all_k)
             for i in range(N_LAYERS):
                 all_k_normed[i] = self.k_norms[i](all_k[i])
@@ -441,9 +450,10 @@ class VllmDflashPrecompute(nn.Module):
         return k_rotated.view(N_LAYERS, num_ctx, KV_HEADS, HEAD_DIM), all_v
 
 
-def build_vllm_dflash_precompute(dtype, norms_into_empty=False, respelled=False):
+def build_vllm_dflash_precompute(dtype, norms_into_empty=False, respelled=False, one_norm=False):
     torch.manual_seed(0)
-    module, (x,) = _finish(VllmDflashPrecompute(norms_into_empty, respelled), dtype, _hidden(batched=False, tokens=BATCH * TOKENS))
+    module = VllmDflashPrecompute(norms_into_empty, respelled, one_norm)
+    module, (x,) = _finish(module, dtype, _hidden(batched=False, tokens=BATCH * TOKENS))
     return module, (x, _positions(BATCH * TOKENS))
 
 
@@ -2238,6 +2248,11 @@ CASES: list[Case] = [
         "vllm_dflash_precompute_norms_into_empty",
         _VLLM_DFLASH + " (each layer's K norm written into torch.empty_like(all_k)[i])",
         _p(build_vllm_dflash_precompute, norms_into_empty=True),
+    ),
+    Case(
+        "vllm_dflash_precompute_one_norm_stacked_weights",
+        _VLLM_DFLASH + " (one K norm over all layers, weights stacked [L, 1, 1, D])",
+        _p(build_vllm_dflash_precompute, one_norm=True),
     ),
     Case(
         "vllm_dflash_precompute_unbind_expanded_positions",
