@@ -16,8 +16,10 @@ they do where a model norms each layer's K with its own module and stacks the re
 
 A chain qualifies when it starts at a select along a non-last dim of a (view of a) projection whose first
 dim is layers (each of its slices holds every token, `_layers_first`), keeps the layers on its first dim,
-contains a reduction (so it is norm-like, not a cast or a scale), and only its last node is read outside
-it. Anything else, or anything the fake tensors refuse, is left as it is.
+contains a reduction (so it is norm-like, not a cast or a scale), reads an operand with one slice per layer
+(the stacked weights: a per-head norm over heads laid out first, with one weight for all, stays whole),
+and only its last node is read outside it. Anything else, or anything the fake tensors refuse, is left as
+it is.
 """
 
 from __future__ import annotations
@@ -118,6 +120,14 @@ def _row_wise(node: torch.fx.Node, members: set, downstream: set, layers: int, r
     return False
 
 
+def _per_layer_operand(node: torch.fx.Node, members: set, layers: int, rank: int) -> bool:
+    """Whether a pointwise chain node reads an operand that holds one slice per layer (stacked weights)."""
+    return _pointwise(node) and any(
+        arg not in members and isinstance(val(arg), torch.Tensor) and val(arg).dim() == rank and val(arg).shape[0] == layers
+        for arg in node.all_input_nodes
+    )
+
+
 def _layer_chain(start: torch.fx.Node) -> Optional[tuple[list[torch.fx.Node], torch.fx.Node]]:
     """(chain nodes in graph order, its last node) of the row-wise chain from `start`, or None."""
     layers, rank = val(start).shape[0], val(start).dim()
@@ -131,6 +141,8 @@ def _layer_chain(start: torch.fx.Node) -> Optional[tuple[list[torch.fx.Node], to
                 members.add(node)
     if not chain or not any(is_call(n, *_REDUCTIONS) for n in chain):
         return None
+    if not any(_per_layer_operand(n, members, layers, rank) for n in chain):
+        return None  # nothing differs between the slices: heads or a batch as likely as layers
     end = chain[-1]
     readers = [user for n in [start, *chain[:-1]] for user in n.users]
     if any(user not in members for user in readers):

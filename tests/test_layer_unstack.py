@@ -60,11 +60,12 @@ def test_one_norm_over_all_layers_becomes_a_norm_per_layer(dtype):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_one_weight_for_all_layers_stays_one_operand():
-    """A norm weight shared by all layers ([D], broadcast) is each layer's operand as it is."""
+def test_one_weight_for_all_slices_stays_whole():
+    """A norm weight shared by every slice ([D], broadcast): nothing tells layers from heads laid out first
+    (`qkv.view(T, 3, H, D).permute(1, 2, 0, 3)[1]`), so the chain stays as it is."""
     args = _inputs(weights_shape=(DIM,))
     traced, rewritten, expected = _rewrite(_one_norm, *args)
-    assert rewritten == 1 and _count(traced.graph, aten.mean.dim) == LAYERS
+    assert rewritten == 0 and _count(traced.graph, aten.mean.dim) == 1
     for got, want in zip(traced(*args), expected):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
