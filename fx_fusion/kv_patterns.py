@@ -456,7 +456,7 @@ def _stacked_weight_row(node) -> bool:
     if not is_call(node, aten.select.int) or node.args[1] != 0 or not isinstance(node.args[2], int):
         return False
     source = node.args[0]
-    while is_call(source, aten.view.default, aten.reshape.default):
+    while is_call(source, *RESHAPES):
         source = source.args[0]
     return val(node).dim() == 1 and is_weight_input(source)
 

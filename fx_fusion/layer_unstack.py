@@ -32,14 +32,14 @@ import torch.fx
 
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from .kv_patterns import PROJECTION_OPS, add_call, erase_unused, is_call, replay, static_shape, val
+from .kv_patterns import PROJECTION_OPS, add_call, depends_on, erase_unused, is_call, replay, static_shape, val
 from .probe_sizes import FULL_SIZE, ProbeMismatch, ProbeSizes
+from .values import LAYOUT_OPS, RESHAPES
 
 aten = torch.ops.aten
 logger = logging.getLogger(__name__)
 
 _REDUCTIONS = (aten.mean.dim, aten.sum.dim_IntList, aten.amax.default)
-_LAYOUT_OPS = (aten.view.default, aten.reshape.default, aten.permute.default, aten.clone.default)
 _MAX_LAYERS = 64  # a chain is replayed once per layer
 _MAX_FULL_REPLAY = 1 << 22  # elements of a projection replayed at full size when a few tokens do not do
 
@@ -62,7 +62,7 @@ def _layers_first(node: torch.fx.Node) -> bool:
     dim, chain, source = node.args[1], [], node.args[0]
     if not isinstance(dim, int) or dim % val(source).dim() == val(source).dim() - 1:
         return False
-    while is_call(source, *_LAYOUT_OPS):
+    while is_call(source, *LAYOUT_OPS):
         chain.append(source)
         source = source.args[0]
     if not is_call(source, *PROJECTION_OPS) or val(source).dim() != 2:
@@ -84,17 +84,7 @@ def _layers_first(node: torch.fx.Node) -> bool:
             return rows * columns <= _MAX_FULL_REPLAY and simulate(FULL_SIZE)
 
 
-def _descendants(start: torch.fx.Node) -> set:
-    seen, pending = {start}, [start]
-    while pending:
-        for user in pending.pop().users:
-            if user not in seen:
-                seen.add(user)
-                pending.append(user)
-    return seen
-
-
-def _row_wise(node: torch.fx.Node, members: set, downstream: set, layers: int, rank: int) -> bool:
+def _row_wise(node: torch.fx.Node, start: torch.fx.Node, members: set, layers: int, rank: int) -> bool:
     """Whether `node` keeps each layer's rows apart: a pointwise op whose operands outside the chain do not
     depend on its start and hold one slice per layer (or one for all) along the first dim, or fewer dims;
     or a reduction of a chain value over later dims, keeping them."""
@@ -106,7 +96,7 @@ def _row_wise(node: torch.fx.Node, members: set, downstream: set, layers: int, r
             if arg in members:
                 continue
             operand = val(arg)
-            if arg in downstream or not isinstance(operand, torch.Tensor) or operand.dim() > rank:
+            if not isinstance(operand, torch.Tensor) or operand.dim() > rank or depends_on([arg], {start}):
                 return False
             if operand.dim() == rank and operand.shape[0] not in (1, layers):
                 return False
@@ -131,12 +121,11 @@ def _per_layer_operand(node: torch.fx.Node, members: set, layers: int, rank: int
 def _layer_chain(start: torch.fx.Node) -> Optional[tuple[list[torch.fx.Node], torch.fx.Node]]:
     """(chain nodes in graph order, its last node) of the row-wise chain from `start`, or None."""
     layers, rank = val(start).shape[0], val(start).dim()
-    downstream = _descendants(start)
     chain: list[torch.fx.Node] = []
     members = {start}
     for node in start.graph.nodes:  # graph order: a node's chain inputs come before it
-        if node in downstream and node is not start and _row_wise(node, members, downstream, layers, rank):
-            if any(i in members for i in node.all_input_nodes):
+        if node is not start and any(i in members for i in node.all_input_nodes):
+            if _row_wise(node, start, members, layers, rank):
                 chain.append(node)
                 members.add(node)
     if not chain or not any(is_call(n, *_REDUCTIONS) for n in chain):
@@ -184,7 +173,7 @@ def _stacked_row(arg: torch.fx.Node, layers: int, row_shape: list, layer: int) -
     node = arg
     if len(row_shape) != 1:
         return None
-    while is_call(node, aten.view.default, aten.reshape.default):
+    while is_call(node, *RESHAPES):
         node = node.args[0]
     if not is_call(node, aten.cat.default, aten.stack.default) or (node.args[1] if len(node.args) > 1 else 0) != 0:
         return None
