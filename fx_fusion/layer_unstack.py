@@ -15,16 +15,22 @@ those L values stacked (`cat(values).view(result.shape)`, as the graph spells `t
 they do where a model norms each layer's K with its own module and stacks the results.
 
 A chain qualifies when it starts at a select along a non-last dim of a (view of a) projection whose first
-dim is layers (each of its slices holds every token, `_layers_first`), keeps the layers on its first dim,
-contains a reduction (so it is norm-like, not a cast or a scale), reads an operand with one slice per layer
-(the stacked weights: a per-head norm over heads laid out first, with one weight for all, stays whole),
-and only its last node is read outside it. Anything else, or anything the fake tensors refuse, is left as
-it is.
+dim is layers (each of its slices holds every token, `_slice_width`), keeps the layers on its first dim,
+contains a reduction (so it is norm-like, not a cast or a scale), and only its last node is read outside
+it. A per-head norm over one layer's heads laid out first (`kv.view(T, 2, H, D).permute(1, 2, 0, 3)[0]`)
+passes those tests too, and is better fused as one layer of H heads; so the chain must also tell layers
+from heads: it reads an operand with one slice per layer (the stacked weights), or each slice holds more
+than one reduced row per token (a layer's several heads; one weight shared by every layer, or none), or
+its result is read only with the slices merged into rows (`[L * T, ...]`: no heads of one token). Where
+both readings fit (one row per token and slice, one weight for all, the slices kept apart) the chain
+stays whole: read as heads, it fuses as one layer. Anything else, or anything the fake tensors refuse, is
+left as it is.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Optional
 
 import torch
@@ -32,7 +38,17 @@ import torch.fx
 
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from .kv_patterns import PROJECTION_OPS, add_call, depends_on, erase_unused, is_call, replay, static_shape, val
+from .kv_patterns import (
+    PROJECTION_OPS,
+    add_call,
+    depends_on,
+    erase_unused,
+    is_call,
+    replay,
+    same_size,
+    static_shape,
+    val,
+)
 from .probe_sizes import FULL_SIZE, ProbeMismatch, ProbeSizes
 from .values import LAYOUT_OPS, RESHAPES
 
@@ -52,36 +68,38 @@ def _pointwise(node: torch.fx.Node) -> bool:
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
 
 
-def _layers_first(node: torch.fx.Node) -> bool:
-    """Whether `node` is a select along a non-last dim of a projection's output seen through views, whose
-    first dim runs along the projection's columns, each of its slices holding every token (so the first
-    dim is layers, not tokens or a batch). Proven by replaying the views on an index of the projection's
-    elements, over a few tokens (`probe_sizes`)."""
+def _slice_width(node: torch.fx.Node) -> int:
+    """If `node` is a select along a non-last dim of a projection's output seen through views, whose first
+    dim runs along the projection's columns, each of its slices holding every token (so the first dim is
+    layers, not tokens or a batch): how many elements one slice holds per token. Else 0. Proven by
+    replaying the views on an index of the projection's elements, over a few tokens (`probe_sizes`)."""
     if not is_call(node, aten.select.int) or len(node.args) != 3 or not isinstance(node.args[2], int):
-        return False
+        return 0
     dim, chain, source = node.args[1], [], node.args[0]
     if not isinstance(dim, int) or dim % val(source).dim() == val(source).dim() - 1:
-        return False
+        return 0
     while is_call(source, *LAYOUT_OPS):
         chain.append(source)
         source = source.args[0]
     if not is_call(source, *PROJECTION_OPS) or val(source).dim() != 2:
-        return False
+        return 0
     rows, columns = static_shape(source)
     dims = {n for view in chain for n in static_shape(view)[:-1]}
     sizes = ProbeSizes([rows] + [n for n in dims if n > 1 and rows % n == 0])
 
-    def simulate(sizes: ProbeSizes) -> bool:
+    def simulate(sizes: ProbeSizes) -> int:
         index = torch.arange(sizes(rows) * columns).view(sizes(rows), columns)
         value = replay(list(reversed(chain)), index, sizes).select(dim, node.args[2])
         tokens = torch.div(value, columns, rounding_mode="floor")
-        return value.dim() >= 2 and bool((tokens == tokens[:1]).all()) and not bool((value == value[:1]).all())
+        if value.dim() < 2 or not bool((tokens == tokens[:1]).all()) or bool((value == value[:1]).all()):
+            return 0
+        return value[0].numel() // tokens[0].unique().numel()
 
     with unset_fake_temporarily():
         try:
             return simulate(sizes)
         except ProbeMismatch:
-            return rows * columns <= _MAX_FULL_REPLAY and simulate(FULL_SIZE)
+            return simulate(FULL_SIZE) if rows * columns <= _MAX_FULL_REPLAY else 0
 
 
 def _row_wise(node: torch.fx.Node, start: torch.fx.Node, members: set, layers: int, rank: int) -> bool:
@@ -118,8 +136,28 @@ def _per_layer_operand(node: torch.fx.Node, members: set, layers: int, rank: int
     )
 
 
-def _layer_chain(start: torch.fx.Node) -> Optional[tuple[list[torch.fx.Node], torch.fx.Node]]:
-    """(chain nodes in graph order, its last node) of the row-wise chain from `start`, or None."""
+def _reduced_size(node: torch.fx.Node) -> Optional[int]:
+    """How many elements a reduction node reduces into one, when static."""
+    shape = val(node.args[0]).shape
+    sizes = [shape[d] for d in node.args[1]]
+    return math.prod(sizes) if all(isinstance(size, int) for size in sizes) else None
+
+
+def _slices_merged_into_rows(end: torch.fx.Node) -> bool:
+    """Whether every reader of `end` (or of its contiguous copy, a reshape's first half) views it with its
+    first two dims merged (`[L * T, ...]`, each slice's rows after the previous slice's, as vLLM's DFlash
+    precompute rotates all layers' rows at once): read that way, the slices are no heads of one token."""
+    shape = val(end).shape
+    readers = [r for user in end.users for r in (user.users if is_call(user, aten.clone.default) else [user])]
+    return bool(readers) and all(
+        is_call(r, *RESHAPES) and val(r).dim() < len(shape) and same_size(val(r).shape[0], shape[0] * shape[1])
+        for r in readers
+    )
+
+
+def _layer_chain(start: torch.fx.Node, slice_width: int) -> Optional[tuple[list[torch.fx.Node], torch.fx.Node]]:
+    """(chain nodes in graph order, its last node) of the row-wise chain from `start`, whose slices hold
+    `slice_width` elements per token, or None."""
     layers, rank = val(start).shape[0], val(start).dim()
     chain: list[torch.fx.Node] = []
     members = {start}
@@ -128,11 +166,14 @@ def _layer_chain(start: torch.fx.Node) -> Optional[tuple[list[torch.fx.Node], to
             if _row_wise(node, start, members, layers, rank):
                 chain.append(node)
                 members.add(node)
-    if not chain or not any(is_call(n, *_REDUCTIONS) for n in chain):
+    reductions = [n for n in chain if is_call(n, *_REDUCTIONS)]
+    if not reductions:
         return None
-    if not any(_per_layer_operand(n, members, layers, rank) for n in chain):
-        return None  # nothing differs between the slices: heads or a batch as likely as layers
     end = chain[-1]
+    several_rows = all((_reduced_size(n) or slice_width) < slice_width for n in reductions)
+    if not several_rows and not any(_per_layer_operand(n, members, layers, rank) for n in chain):
+        if not _slices_merged_into_rows(end):
+            return None  # one row per token and slice, the same operands for all: heads as likely as layers
     readers = [user for n in [start, *chain[:-1]] for user in n.users]
     if any(user not in members for user in readers):
         return None  # a value before the end is read outside the chain
@@ -215,12 +256,11 @@ def unstack_layer_chains(graph: torch.fx.Graph) -> int:
 def _unstack(graph: torch.fx.Graph, start: torch.fx.Node) -> bool:
     """Rewrite the chain starting at `start` if it qualifies; whether it did. The graph changes only once
     every per-layer node has been built."""
-    if start.op != "call_function" or not _layers_first(start):
-        return False
+    slice_width = _slice_width(start) if start.op == "call_function" else 0
     value = val(start)
-    if not isinstance(value, torch.Tensor) or value.dim() < 2 or not isinstance(value.shape[0], int):
+    if not slice_width or not isinstance(value, torch.Tensor) or value.dim() < 2 or not isinstance(value.shape[0], int):
         return False
-    found = _layer_chain(start) if 2 <= value.shape[0] <= _MAX_LAYERS else None
+    found = _layer_chain(start, slice_width) if 2 <= value.shape[0] <= _MAX_LAYERS else None
     if found is None or sum(not isinstance(size, int) for size in val(found[1]).shape) > 1:
         return False
     chain, end = found

@@ -163,8 +163,9 @@ class FuzzDraft(nn.Module):
 
 
 # how a stacked draft norms each layer's K and puts them back together ("one_norm": one norm over all layers'
-# K at once, the weights stacked [L, 1, 1, D])
+# K at once, with ONE_NORM_WEIGHTS)
 STACKED_JOINS = ("stack", "unbind", "into_empty", "one_norm")
+ONE_NORM_WEIGHTS = ("stacked", "shared", "none")  # [L, 1, 1, D]; one [D] for every layer; no weight
 ONE_NORM_NORMS = ("hf", "gemma", "no_upcast")  # the spellings whose weight may be a stacked tensor
 REPEATS = ("repeat", "cat", "expand")  # how it repeats the positions for every layer's rows
 
@@ -176,9 +177,10 @@ class StackedDraft(nn.Module):
     positions repeated for every layer (REPEATS; `shift_last`: the last layer's rows read the next
     positions, so its cos/sin differ)."""
 
-    def __init__(self, specs: list[dict], heads: int, join: str, repeat: str, shift_last: bool):
+    def __init__(self, specs: list[dict], heads: int, join: str, repeat: str, shift_last: bool, one_norm_weights: str):
         super().__init__()
         self.specs, self.heads, self.join, self.repeat, self.shift_last = specs, heads, join, repeat, shift_last
+        self.one_norm_weights = one_norm_weights
         self.kv = nn.Linear(HIDDEN, len(specs) * 2 * heads * HEAD_DIM, bias=specs[0]["bias"])
         self.norm_weights = nn.ParameterList(nn.Parameter(torch.rand(HEAD_DIM) + 0.5) for _ in specs)
 
@@ -190,7 +192,11 @@ class StackedDraft(nn.Module):
             return _norm(self.specs[i]["norm"], self.specs[i]["eps"], self.norm_weights[i], k)
 
         if self.join == "one_norm":
-            weights = torch.stack(list(self.norm_weights)).view(layers, 1, 1, HEAD_DIM)
+            weights = {
+                "stacked": lambda: torch.stack(list(self.norm_weights)).view(layers, 1, 1, HEAD_DIM),
+                "shared": lambda: self.norm_weights[0],
+                "none": lambda: None,
+            }[self.one_norm_weights]()
             k = _norm(self.specs[0]["norm"], self.specs[0]["eps"], weights, kv[0])
         elif self.join == "into_empty":
             k = torch.empty_like(kv[0])
@@ -222,8 +228,11 @@ def draw_stacked(seed: int) -> dict:
         tables=rng.choice(["computed", "cache"]), eps=1e-6, base=10000.0,
     )  # fmt: skip
     join = rng.choice(STACKED_JOINS)
+    one_norm_weights = rng.choice(ONE_NORM_WEIGHTS)
     if join == "one_norm":  # one expression: one norm and eps for all layers
-        spec["norm"] = rng.choice(ONE_NORM_NORMS)
+        spec["norm"] = {"stacked": rng.choice(ONE_NORM_NORMS), "shared": rng.choice(NORMS[1:]), "none": "f_rms_norm"}[
+            one_norm_weights
+        ]
     specs = [dict(spec) for _ in range(rng.choice([1, 2, 3, 4]))]
     deviations = [None, None, "shift_last"] if join == "one_norm" else [None, None, "eps", "norm", "shift_last"]
     deviation = rng.choice(deviations) if len(specs) > 1 else None
@@ -232,7 +241,7 @@ def draw_stacked(seed: int) -> dict:
     return dict(
         specs=specs, heads=rng.choice([1, 2]), join=join, repeat=rng.choice(REPEATS),
         shift_last=deviation == "shift_last", tokens=rng.choice([1, 3, 5]), dtype=rng.choice(["float32", "bfloat16"]),
-        dynamic=rng.random() < 0.2,
+        dynamic=rng.random() < 0.2, one_norm_weights=one_norm_weights if join == "one_norm" else None,
     )  # fmt: skip
 
 
@@ -281,7 +290,9 @@ def check_stacked(seed: int) -> tuple[dict, fx_fusion.FusedKVPass, float, float]
     drawn = draw_stacked(seed)
     dtype = getattr(torch, drawn["dtype"])
     torch.manual_seed(seed)
-    draft = StackedDraft(drawn["specs"], drawn["heads"], drawn["join"], drawn["repeat"], drawn["shift_last"])
+    draft = StackedDraft(
+        drawn["specs"], drawn["heads"], drawn["join"], drawn["repeat"], drawn["shift_last"], drawn["one_norm_weights"]
+    )
     draft = draft.to(dtype).eval()
     x = torch.randn(drawn["tokens"], HIDDEN, dtype=dtype)
     positions = torch.randperm(MAX_POS - 1)[: drawn["tokens"]]

@@ -402,14 +402,15 @@ def explain_vllm_model():
 # [L * T, kv], the cos/sin cache gathered at `positions.repeat(L)`. `respelled`: the layers cut with
 # `unbind` and the positions repeated by `expand(L, T).reshape(-1)` (the same values). `one_norm`: all
 # layers' K normed in one expression, RMSNorm.forward_native's math over the layer-major [L, T, H, D] K with
-# the layers' weights stacked [L, 1, 1, D] (a stacked-weights rewrite of the per-layer norms).
+# the layers' weights stacked [L, 1, 1, D] ("stacked", a stacked-weights rewrite of the per-layer norms), one
+# weight [D] for every layer ("shared") or none ("none", F.rms_norm without a weight).
 # vllm-project/vllm vllm/model_executor/models/qwen3_dflash.py (DFlashQwen3Model._build_fused_kv_buffers,
 # precompute_and_store_context_kv), vllm/model_executor/layers/layernorm.py (RMSNorm.forward_native),
 # vllm/model_executor/layers/rotary_embedding/common.py (apply_rotary_emb_torch)
 
 
 class VllmDflashPrecompute(nn.Module):
-    def __init__(self, norms_into_empty: bool = False, respelled: bool = False, one_norm: bool = False):
+    def __init__(self, norms_into_empty: bool = False, respelled: bool = False, one_norm: Optional[str] = None):
         super().__init__()
         self.norms_into_empty, self.respelled, self.one_norm = norms_into_empty, respelled, one_norm
         self.kv_size = KV_HEADS * HEAD_DIM
@@ -418,16 +419,20 @@ class VllmDflashPrecompute(nn.Module):
         self.k_norms = nn.ModuleList(VllmRMSNorm(HEAD_DIM) for _ in range(N_LAYERS))
         self.register_buffer("cos_sin_cache", _cos_sin_cache(HEAD_DIM), persistent=False)
         _randomize_norm_weights(self)
-        if one_norm:
+        if one_norm == "stacked":
             stacked = torch.stack([norm.weight.detach() for norm in self.k_norms]).view(N_LAYERS, 1, 1, HEAD_DIM)
             self.k_norm_weights = nn.Parameter(stacked.clone())
+        elif one_norm == "shared":
+            self.k_norm_weights = nn.Parameter(self.k_norms[0].weight.detach().clone())
 
     def forward(self, context_states, context_positions):  # [T, hidden], [T]
         num_ctx = context_states.shape[0]
         all_kv_flat = F.linear(self.hidden_norm(context_states), self.fused_kv_weight)
         all_kv = all_kv_flat.view(num_ctx, N_LAYERS, 2, KV_HEADS, HEAD_DIM).permute(2, 1, 0, 3, 4).contiguous()
         all_k, all_v = all_kv[0], all_kv[1]  # [L, T, H, D]
-        if self.one_norm:
+        if self.one_norm == "none":
+            all_k_normed = F.rms_norm(all_k, (HEAD_DIM,), None, self.k_norms[0].variance_epsilon)
+        elif self.one_norm:
             x = all_k.to(torch.float32)
             x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.k_norms[0].variance_epsilon)
             all_k_normed = x.to(all_k.dtype) * self.k_norm_weights
@@ -450,7 +455,7 @@ class VllmDflashPrecompute(nn.Module):
         return k_rotated.view(N_LAYERS, num_ctx, KV_HEADS, HEAD_DIM), all_v
 
 
-def build_vllm_dflash_precompute(dtype, norms_into_empty=False, respelled=False, one_norm=False):
+def build_vllm_dflash_precompute(dtype, norms_into_empty=False, respelled=False, one_norm=None):
     torch.manual_seed(0)
     module = VllmDflashPrecompute(norms_into_empty, respelled, one_norm)
     module, (x,) = _finish(module, dtype, _hidden(batched=False, tokens=BATCH * TOKENS))
@@ -2252,7 +2257,17 @@ CASES: list[Case] = [
     Case(
         "vllm_dflash_precompute_one_norm_stacked_weights",
         _VLLM_DFLASH + " (one K norm over all layers, weights stacked [L, 1, 1, D])",
-        _p(build_vllm_dflash_precompute, one_norm=True),
+        _p(build_vllm_dflash_precompute, one_norm="stacked"),
+    ),
+    Case(
+        "vllm_dflash_precompute_one_norm_shared_weight",
+        _VLLM_DFLASH + " (one K norm over all layers, one weight [D] for every layer)",
+        _p(build_vllm_dflash_precompute, one_norm="shared"),
+    ),
+    Case(
+        "vllm_dflash_precompute_one_norm_no_weight",
+        _VLLM_DFLASH + " (one K norm over all layers, F.rms_norm without a weight)",
+        _p(build_vllm_dflash_precompute, one_norm="none"),
     ),
     Case(
         "vllm_dflash_precompute_unbind_expanded_positions",

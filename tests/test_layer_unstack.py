@@ -60,14 +60,55 @@ def test_one_norm_over_all_layers_becomes_a_norm_per_layer(dtype):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_one_weight_for_all_slices_stays_whole():
-    """A norm weight shared by every slice ([D], broadcast): nothing tells layers from heads laid out first
-    (`qkv.view(T, 3, H, D).permute(1, 2, 0, 3)[1]`), so the chain stays as it is."""
-    args = _inputs(weights_shape=(DIM,))
-    traced, rewritten, expected = _rewrite(_one_norm, *args)
-    assert rewritten == 0 and _count(traced.graph, aten.mean.dim) == 1
+@pytest.mark.parametrize("weights_shape", [(DIM,), None], ids=["one_weight_for_all", "no_weight"])
+def test_several_heads_per_layer_tell_layers_from_heads(weights_shape):
+    """No operand differs between the slices (one norm weight for all layers, or none), but each slice holds
+    HEADS rows per token: a layer's heads, not one head of a layer laid out first. Unstacked, exactly."""
+    if weights_shape is None:
+        x, w, _ = _inputs()
+        traced, rewritten, expected = _rewrite(lambda x, w: _one_norm(x, w, 1.0), x, w)
+        args = (x, w)
+    else:
+        args = _inputs(weights_shape=weights_shape)
+        traced, rewritten, expected = _rewrite(_one_norm, *args)
+    assert rewritten == 1 and _count(traced.graph, aten.mean.dim) == LAYERS
     for got, want in zip(traced(*args), expected):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def _heads_first_one_layer(x, w, norm_weight):
+    """One layer's K/V, heads laid out first: `kv.view(T, 2, H, D).permute(1, 2, 0, 3)[0]` is [H, T, D]."""
+    k = (x @ w[: 2 * HEADS * DIM].t()).view(TOKENS, 2, HEADS, DIM).permute(1, 2, 0, 3).contiguous()[0]
+    return k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight
+
+
+def _one_head_per_layer(x, w, norm_weight):
+    """Layer-major K of one KV head per layer: [L, T, D] slices, one row per token, like heads first."""
+    k = (x @ w[: LAYERS * 2 * DIM].t()).view(TOKENS, LAYERS, 2, DIM).permute(2, 1, 0, 3).contiguous()[0]
+    return k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight
+
+
+@pytest.mark.parametrize("fn", [_heads_first_one_layer, _one_head_per_layer])
+def test_one_row_per_token_and_slice_with_one_weight_stays_whole(fn):
+    """One norm row per token in each slice and one weight for all: heads laid out first read exactly like
+    layers of one head, so the chain stays as it is (one layer of H heads fuses without this rewrite)."""
+    args = _inputs(weights_shape=(DIM,))
+    traced, rewritten, expected = _rewrite(fn, *args)
+    assert rewritten == 0 and _count(traced.graph, aten.mean.dim) == 1
+    torch.testing.assert_close(traced(*args), expected, rtol=0, atol=0)
+
+
+def test_one_head_per_layer_read_as_rows_of_all_layers_is_unstacked():
+    """The same chain read only as `[L * T, D]` rows (vLLM's DFlash precompute rotates all layers' rows at
+    once): the slices are not heads of one token, so each is normed on its own, exactly."""
+
+    def merged(x, w, norm_weight):
+        return _one_head_per_layer(x, w, norm_weight).view(LAYERS * TOKENS, DIM) * 2.0
+
+    args = _inputs(weights_shape=(DIM,))
+    traced, rewritten, expected = _rewrite(merged, *args)
+    assert rewritten == 1 and _count(traced.graph, aten.mean.dim) == LAYERS
+    torch.testing.assert_close(traced(*args), expected, rtol=0, atol=0)
 
 
 def test_weights_stacked_in_the_graph_give_each_layer_its_own():
