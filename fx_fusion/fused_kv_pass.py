@@ -75,7 +75,7 @@ from fx_fusion.kernels.fused_kv_materialize import MAX_NORM_WEIGHTS_PER_LAUNCH
 from . import bias_adds, cache_writes, kv_patterns, op_lowering, probe_sizes, rotary_action, rotary_angles, scatter_forwarding, strided_outputs, token_cats
 from .diagnostics import FusedGroup, PassRecord, RecordSink, Rejection, node_location
 from .kv_patterns import KBranch, NoMatch, Projection, is_call, val
-from . import layer_unstack, memo, padded_linears, values
+from . import layer_unstack, memo, padded_linears, select_cuts, values
 from .padded_linears import padded_linear
 from .values import RESHAPES, ValueKeys
 
@@ -338,10 +338,11 @@ def fuse_kv_groups(graph: torch.fx.Graph, min_layers: int = 1, stack_weights_in_
     mm over `cat(weights)` in the graph, for Inductor freezing to fold into one constant (no op call)."""
     record = PassRecord()
     fake_mode = _fake_mode(graph)
-    # canonical forms first: in-place column updates as plain chains, one norm over a layer-major stack of
-    # every layer's K as one norm per layer, projections concatenated along tokens before the norm (z-lab
-    # DFlash) as one chain per projection
+    # canonical forms first: in-place column updates as plain chains, K/V of stacked layers cut by selects
+    # as column slices, one norm over a layer-major stack of every layer's K as one norm per layer,
+    # projections concatenated along tokens before the norm (z-lab DFlash) as one chain per projection
     scatter_forwarding.forward_scattered_views(graph)
+    select_cuts.selects_as_column_slices(graph)
     layer_unstack.unstack_layer_chains(graph)
     bias_adds.move_bias_adds_to_products(graph)
     if token_cats.push_token_cats(graph):
@@ -669,6 +670,9 @@ def _rewrite_group(
     one_weight_per_layer = all(b.n_layers == 1 and val(w).dim() == 1 for b, w in zip(branches, norm_weights))
     per_block_weights = [w for b, w in zip(branches, norm_weights) for _ in range(blocks_of[id(b)])]
     weights_in_place = one_weight_per_layer and len(per_block_weights) <= MAX_NORM_WEIGHTS_PER_LAUNCH
+    # a stacked branch's weight: its [n_layers, head_dim] table as is; one [head_dim] weight for all its
+    # layers, or weights stacked in the graph (a [n_layers * head_dim] cat), through the table below
+    one_weight_per_branch_layer = all(val(w).dim() == 2 or b.n_layers == 1 for b, w in zip(branches, norm_weights))
     eps_nodes = [b.norm.eps for b in branches for _ in range(blocks_of[id(b)]) if first.norm and isinstance(b.norm.eps, torch.fx.Node)]
     table_kind, cache_positions = _shared_rotary_tables(branches, same_value)
     if cache_positions is not None:
@@ -716,13 +720,14 @@ def _rewrite_group(
                 )]  # fmt: skip
             elif weights_in_place:
                 norm_weights = per_block_weights
-            elif norm_weights and (split_heads or len(norm_weights) > 1):  # a table
-                rows = []  # (the parameters stay where they are)
+            elif norm_weights and (split_heads or len(norm_weights) > 1 or not one_weight_per_branch_layer):
+                rows = []  # a table (the parameters stay where they are)
                 for branch, weight in zip(branches, norm_weights):
                     row = builder.call(aten.reshape.default, weight, [-1, 1, head_dim])
                     blocks = blocks_of[id(branch)] // branch.n_layers
-                    if blocks > 1:  # the layer's weight for each of its blocks of heads
-                        row = builder.call(aten.expand.default, row, [-1, blocks, head_dim])
+                    shared = val(weight).numel() != branch.n_layers * head_dim  # one weight for all its layers
+                    if blocks > 1 or shared:  # the layer's weight for each of its blocks of heads
+                        row = builder.call(aten.expand.default, row, [branch.n_layers, blocks, head_dim])
                     rows.append(builder.call(aten.reshape.default, row, [-1, head_dim]))
                 norm_weights = [builder.call(aten.cat.default, rows)]
             eps_value, eps_tensor = 0.0, None

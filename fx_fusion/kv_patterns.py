@@ -461,12 +461,35 @@ def _stacked_weight_row(node) -> bool:
     return val(node).dim() == 1 and is_weight_input(source)
 
 
+def _weights_stacked_in_graph(node) -> bool:
+    """`torch.stack` of one [D] weight per layer in the forward, as the post-grad graph spells it: a cat along
+    dim 0 of the weights (or of their views), read as the `[n_layers, D]` table it is."""
+    if not is_call(node, aten.cat.default) or (node.args[1] if len(node.args) > 1 else 0) != 0:
+        return False
+    parts = node.args[0]
+    sources = []
+    for part in parts:
+        while is_call(part, aten.unsqueeze.default, *RESHAPES):
+            part = part.args[0]
+        sources.append(part)
+    shapes = {tuple(static_shape(part)) for part in sources}
+    return len(parts) > 1 and all(is_weight_input(part) for part in sources) and len(shapes) == 1 and len(shapes.pop()) == 1
+
+
+def norm_weight_rows(weight: torch.fx.Node) -> list[int]:
+    """The shape of a norm's weight as layers x features: a parameter's own, or `[n_layers, D]` for weights
+    stacked in the graph."""
+    if _weights_stacked_in_graph(weight):
+        return [len(weight.args[0]), val(weight).numel() // len(weight.args[0])]
+    return static_shape(weight)
+
+
 def _norm_weight_parameter(weight: torch.fx.Node) -> tuple[torch.fx.Node, float]:
     """The parameter behind a norm's weight operand and its offset: w, w.float(), (1 + w.float()), and
     their views (unsqueeze, view, whole slices) in any order; or one layer's row of stacked weights
-    (`_stacked_weight_row`)."""
+    (`_stacked_weight_row`); or the weights stacked in the graph (`_weights_stacked_in_graph`)."""
     offset, node = 0.0, weight
-    while not is_weight_input(node) and not _stacked_weight_row(node):
+    while not is_weight_input(node) and not _stacked_weight_row(node) and not _weights_stacked_in_graph(node):
         if _is_cast(node) or _is_whole_slice(node) or is_call(node, aten.unsqueeze.default, aten.view.default, aten.reshape.default):
             node = node.args[0]
             continue
@@ -737,16 +760,18 @@ class KBranch:
 
 
 def check_norm_weight(norm: RMSNorm, heads: HeadLayout, n_layers: int, rank: int) -> None:
-    """The norm weight must be one [head_dim] vector per layer, broadcast over tokens and heads."""
+    """The norm weight must be one [head_dim] vector per layer, broadcast over tokens and heads; with
+    layers stacked on an axis, also one [head_dim] vector for every layer, broadcast over that axis too."""
     if norm.weight is None:
         return
     shape = [1] * (rank - len(norm.weight_shape)) + list(norm.weight_shape)
     expected = [1] * rank
     expected[-1] = heads.head_dim
-    if heads.layer_axis is not None:
+    parameter = norm_weight_rows(norm.weight)
+    shared = heads.layer_axis is not None and parameter == [heads.head_dim]
+    if heads.layer_axis is not None and not shared:
         expected[heads.layer_axis] = n_layers
-    parameter = static_shape(norm.weight)
-    per_layer = [heads.head_dim] if n_layers == 1 else [n_layers, heads.head_dim]
+    per_layer = [heads.head_dim] if n_layers == 1 or shared else [n_layers, heads.head_dim]
     if shape != expected or parameter != per_layer:
         raise NoMatch(f"K norm weight has shape {norm.weight_shape}, expected {per_layer} (one weight per head dim)")
 

@@ -168,6 +168,8 @@ STACKED_JOINS = ("stack", "unbind", "into_empty", "one_norm")
 ONE_NORM_WEIGHTS = ("stacked", "shared", "none")  # [L, 1, 1, D]; one [D] for every layer; no weight
 ONE_NORM_NORMS = ("hf", "gemma", "no_upcast")  # the spellings whose weight may be a stacked tensor
 REPEATS = ("repeat", "cat", "expand")  # how it repeats the positions for every layer's rows
+# the seed's token-major [T, L, 2, H, D] layout, K and V cut by select, unbind or slices of [T, L, 2 * kv]
+TOKEN_MAJOR_CUTS = ("select", "unbind", "slices")
 
 
 class StackedDraft(nn.Module):
@@ -175,16 +177,18 @@ class StackedDraft(nn.Module):
     stacked, viewed [T, L, 2, H, D] and made layer-major, each layer's K normed on its own (its spec's norm
     and eps), joined back (STACKED_JOINS), viewed [L * T, H, D] and rotated once with the cos/sin of the
     positions repeated for every layer (REPEATS; `shift_last`: the last layer's rows read the next
-    positions, so its cos/sin differ)."""
+    positions, so its cos/sin differ). With a `cut`, the seed's token-major layout instead (`token_major`)."""
 
-    def __init__(self, specs: list[dict], heads: int, join: str, repeat: str, shift_last: bool, one_norm_weights: str):
+    def __init__(self, specs: list[dict], heads: int, join: str, repeat: str, shift_last: bool, one_norm_weights: str, cut: str):
         super().__init__()
         self.specs, self.heads, self.join, self.repeat, self.shift_last = specs, heads, join, repeat, shift_last
-        self.one_norm_weights = one_norm_weights
+        self.one_norm_weights, self.cut = one_norm_weights, cut
         self.kv = nn.Linear(HIDDEN, len(specs) * 2 * heads * HEAD_DIM, bias=specs[0]["bias"])
         self.norm_weights = nn.ParameterList(nn.Parameter(torch.rand(HEAD_DIM) + 0.5) for _ in specs)
 
     def forward(self, x, positions):  # [T, hidden], [T]: one sequence's context rows
+        if self.cut is not None:
+            return self.token_major(x, positions)
         layers, tokens = len(self.specs), x.shape[0]
         kv = self.kv(x).view(tokens, layers, 2, self.heads, HEAD_DIM).permute(2, 1, 0, 3, 4).contiguous()
 
@@ -218,6 +222,27 @@ class StackedDraft(nn.Module):
         k = _rotate(self.specs[0]["rope"], rows, cos[:, None], sin[:, None])
         return k.view(layers, tokens, self.heads, HEAD_DIM), kv[1]
 
+    def token_major(self, x, positions):
+        """The seed's own layout, [T, L, 2, H, D] kept token-major (TOKEN_MAJOR_CUTS), all layers' K normed
+        in one expression and rotated with one cos/sin per token."""
+        layers, tokens, width = len(self.specs), x.shape[0], self.heads * HEAD_DIM
+        kv = self.kv(x)
+        if self.cut == "slices":
+            kv = kv.view(tokens, layers, 2 * width)
+            k, v = (part.reshape(tokens, layers, self.heads, HEAD_DIM) for part in (kv[..., :width], kv[..., width:]))
+        else:
+            kv = kv.view(tokens, layers, 2, self.heads, HEAD_DIM)
+            k, v = kv.unbind(2) if self.cut == "unbind" else (kv[:, :, 0], kv[:, :, 1])
+        weights = {
+            "stacked": lambda: torch.stack(list(self.norm_weights)).view(layers, 1, HEAD_DIM),
+            "shared": lambda: self.norm_weights[0],
+            "none": lambda: None,
+        }[self.one_norm_weights]()
+        k = _norm(self.specs[0]["norm"], self.specs[0]["eps"], weights, k)
+        cos, sin = _tables(self.specs[0], positions, x.dtype)
+        k = _rotate(self.specs[0]["rope"], k, cos[:, None, None], sin[:, None, None])
+        return k.transpose(0, 1), v.transpose(0, 1)
+
 
 def draw_stacked(seed: int) -> dict:
     """A stacked draft's description (plain data), drawn from `seed`: one rotation for all layers, so only
@@ -227,7 +252,8 @@ def draw_stacked(seed: int) -> dict:
         bias=rng.random() < 0.3, norm=rng.choice(NORMS), rope=rng.choice(ROPES), partial=rng.random() < 0.25,
         tables=rng.choice(["computed", "cache"]), eps=1e-6, base=10000.0,
     )  # fmt: skip
-    join = rng.choice(STACKED_JOINS)
+    cut = rng.choice(TOKEN_MAJOR_CUTS) if rng.random() < 0.3 else None
+    join = "one_norm" if cut else rng.choice(STACKED_JOINS)
     one_norm_weights = rng.choice(ONE_NORM_WEIGHTS)
     if join == "one_norm":  # one expression: one norm and eps for all layers
         spec["norm"] = {"stacked": rng.choice(ONE_NORM_NORMS), "shared": rng.choice(NORMS[1:]), "none": "f_rms_norm"}[
@@ -235,13 +261,13 @@ def draw_stacked(seed: int) -> dict:
         ]
     specs = [dict(spec) for _ in range(rng.choice([1, 2, 3, 4]))]
     deviations = [None, None, "shift_last"] if join == "one_norm" else [None, None, "eps", "norm", "shift_last"]
-    deviation = rng.choice(deviations) if len(specs) > 1 else None
+    deviation = rng.choice(deviations) if len(specs) > 1 and not cut else None
     if deviation in ("eps", "norm"):
         specs[-1][deviation] = 1e-5 if deviation == "eps" else rng.choice([n for n in NORMS if n != spec["norm"]])
     return dict(
         specs=specs, heads=rng.choice([1, 2]), join=join, repeat=rng.choice(REPEATS),
         shift_last=deviation == "shift_last", tokens=rng.choice([1, 3, 5]), dtype=rng.choice(["float32", "bfloat16"]),
-        dynamic=rng.random() < 0.2, one_norm_weights=one_norm_weights if join == "one_norm" else None,
+        dynamic=rng.random() < 0.2, one_norm_weights=one_norm_weights if join == "one_norm" else None, cut=cut,
     )  # fmt: skip
 
 
@@ -291,7 +317,8 @@ def check_stacked(seed: int) -> tuple[dict, fx_fusion.FusedKVPass, float, float]
     dtype = getattr(torch, drawn["dtype"])
     torch.manual_seed(seed)
     draft = StackedDraft(
-        drawn["specs"], drawn["heads"], drawn["join"], drawn["repeat"], drawn["shift_last"], drawn["one_norm_weights"]
+        drawn["specs"], drawn["heads"], drawn["join"], drawn["repeat"], drawn["shift_last"], drawn["one_norm_weights"],
+        drawn["cut"],
     )
     draft = draft.to(dtype).eval()
     x = torch.randn(drawn["tokens"], HIDDEN, dtype=dtype)

@@ -997,22 +997,28 @@ def build_no_upcast(dtype):
 # V = [..., kv:]; a stacked [L, head_dim] norm weight broadcast over tokens and heads; float32 norm and
 # RoPE from cos_sin_cache gathered by positions (neox halves), cast once at the end; outputs [L, T, H, D].
 # `stack_of_cats` builds the same [T, L, 2 * kv] with torch.stack over layers of
-# torch.cat([k_proj(x), v_proj(x)], -1) (the per-layer-modules way to the same tensor).
+# torch.cat([k_proj(x), v_proj(x)], -1) (the per-layer-modules way to the same tensor). `unbind`: the same
+# projection viewed [T, L, 2, H, D] and cut by `.unbind(2)`; `shared_norm_weight`: one [head_dim] weight
+# for every layer; `norm_weights_stacked_in_forward`: each layer's [head_dim] weight, `torch.stack`ed in the
+# forward (respellings of the same layout).
 # sgl-project/sglang python/sglang/kernels/ops/speculative/fused_kv_materialize.py
 # (FusedKVMaterializeHelper: torch.stack(kv_weights).reshape(L * 2 * kv, -1); the reference math of
 # _fused_norm_rope_kernel_stacked)
 
 
 class SglangStackedContext(nn.Module):
-    def __init__(self, stack_of_cats: bool = False):
+    def __init__(self, stack_of_cats=False, unbind=False, shared_norm_weight=False, norm_weights_stacked_in_forward=False):
         super().__init__()
-        self.stack_of_cats = stack_of_cats
+        self.stack_of_cats, self.unbind, self.shared_norm_weight = stack_of_cats, unbind, shared_norm_weight
+        self.norm_weights_stacked_in_forward = norm_weights_stacked_in_forward
         self.n_layers, self.kv_size = N_LAYERS, KV_HEADS * HEAD_DIM
         self.k_proj = nn.ModuleList(nn.Linear(HIDDEN, self.kv_size, bias=False) for _ in range(N_LAYERS))
         self.v_proj = nn.ModuleList(nn.Linear(HIDDEN, self.kv_size, bias=False) for _ in range(N_LAYERS))
         kv_weights = [torch.cat([k.weight, v.weight]) for k, v in zip(self.k_proj, self.v_proj)]
         self.flat_kv_weight = nn.Parameter(torch.stack(kv_weights).reshape(N_LAYERS * 2 * self.kv_size, -1).clone())
         self.k_norm_weights = nn.Parameter(torch.randn(N_LAYERS, HEAD_DIM) * 0.2 + 1.0)
+        if norm_weights_stacked_in_forward:
+            self.layer_norm_weights = nn.ParameterList(nn.Parameter(w.detach().clone()) for w in self.k_norm_weights)
         self.register_buffer("cos_sin_cache", _cos_sin_cache(HEAD_DIM), persistent=False)
 
     def forward(self, ctx_hidden, positions):
@@ -1022,11 +1028,20 @@ class SglangStackedContext(nn.Module):
             kv = torch.stack(per_layer, dim=1)
         else:
             kv = F.linear(ctx_hidden, self.flat_kv_weight).view(total_ctx, self.n_layers, 2 * self.kv_size)
-        k = kv[..., : self.kv_size].reshape(total_ctx, self.n_layers, KV_HEADS, HEAD_DIM)
-        v = kv[..., self.kv_size :].reshape(total_ctx, self.n_layers, KV_HEADS, HEAD_DIM)
+        if self.unbind:
+            k, v = kv.view(total_ctx, self.n_layers, 2, KV_HEADS, HEAD_DIM).unbind(2)
+        else:
+            k = kv[..., : self.kv_size].reshape(total_ctx, self.n_layers, KV_HEADS, HEAD_DIM)
+            v = kv[..., self.kv_size :].reshape(total_ctx, self.n_layers, KV_HEADS, HEAD_DIM)
         k_raw = k.float()
         inv_rms = torch.rsqrt(k_raw.pow(2).sum(-1, keepdim=True) / HEAD_DIM + EPS)
-        k_normed = k_raw * inv_rms * self.k_norm_weights.float()[None, :, None, :]
+        if self.shared_norm_weight:
+            weight = self.k_norm_weights[0]
+        elif self.norm_weights_stacked_in_forward:
+            weight = torch.stack(list(self.layer_norm_weights))[None, :, None, :]
+        else:
+            weight = self.k_norm_weights[None, :, None, :]
+        k_normed = k_raw * inv_rms * weight.float()
         cos_sin = self.cos_sin_cache[positions].float()
         cos_v, sin_v = cos_sin[:, None, None, : HEAD_DIM // 2], cos_sin[:, None, None, HEAD_DIM // 2 :]
         k_first, k_second = k_normed[..., : HEAD_DIM // 2], k_normed[..., HEAD_DIM // 2 :]
@@ -1034,9 +1049,10 @@ class SglangStackedContext(nn.Module):
         return k_rot.to(v.dtype).permute(1, 0, 2, 3), v.permute(1, 0, 2, 3)
 
 
-def build_sglang_stacked(dtype, stack_of_cats=False):
+def build_sglang_stacked(dtype, stack_of_cats=False, unbind=False, shared_norm_weight=False, norm_weights_stacked_in_forward=False):
     torch.manual_seed(0)
-    module, (x,) = _finish(SglangStackedContext(stack_of_cats), dtype, _hidden(batched=False, tokens=BATCH * TOKENS))
+    module = SglangStackedContext(stack_of_cats, unbind, shared_norm_weight, norm_weights_stacked_in_forward)
+    module, (x,) = _finish(module, dtype, _hidden(batched=False, tokens=BATCH * TOKENS))
     return module, (x, _positions(BATCH * TOKENS))
 
 
@@ -2326,6 +2342,21 @@ CASES: list[Case] = [
     Case("no_upcast_rmsnorm", "no canonical source: minimal-Llama RMSNorm without .float()", _p(build_no_upcast)),
     Case("sglang_stacked_kv", _SGL_STACKED, _p(build_sglang_stacked)),
     Case("stack_of_cats", _SGL_STACKED + " layout, per-layer torch.cat([k, v]) stacked", _p(build_sglang_stacked, stack_of_cats=True)),
+    Case(
+        "sglang_stacked_kv_unbind",
+        _SGL_STACKED + " layout viewed [T, L, 2, H, D], K and V cut by unbind(2)",
+        _p(build_sglang_stacked, unbind=True),
+    ),
+    Case(
+        "sglang_stacked_kv_norm_weights_stacked_in_forward",
+        _SGL_STACKED + " layout, the layers' K norm weights torch.stack'ed in the forward",
+        _p(build_sglang_stacked, norm_weights_stacked_in_forward=True),
+    ),
+    Case(
+        "sglang_stacked_kv_shared_norm_weight",
+        _SGL_STACKED + " layout, one K norm weight for every layer",
+        _p(build_sglang_stacked, shared_norm_weight=True),
+    ),
     Case("litgpt_grouped_qkv_partial", "Lightning-AI/litgpt litgpt/model.py", _p(build_litgpt)),
     Case("litgpt_grouped_qkv_gqa", "Lightning-AI/litgpt litgpt/model.py (2 query heads per group)", _p(build_litgpt, n_head=2 * KV_HEADS)),
     # one layer rotating with other cos/sin values: the fused op reads one table per layer
