@@ -86,3 +86,21 @@ def k_epilogue_on_cpu(monkeypatch):
 
     monkeypatch.setattr(op_lowering, "K_EPILOGUE_DEVICE_TYPES", frozenset({"cpu"}))
     monkeypatch.setattr(grouped_linear, "grouped_linear_k_epilogue_body", _stand_in_k_epilogue_body)
+
+
+@pytest.fixture
+def refuse_add_call(monkeypatch):
+    """`refuse_add_call(module, target)`: the module's `add_call` raises for `target`, as fake tensors that
+    refuse an op would; other calls go through."""
+
+    def refuse(module, target):
+        real = module.add_call
+
+        def add_call(graph, called, args, kwargs=None):
+            if called is target:
+                raise RuntimeError("refused")
+            return real(graph, called, args, kwargs)
+
+        monkeypatch.setattr(module, "add_call", add_call)
+
+    return refuse

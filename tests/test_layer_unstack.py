@@ -189,18 +189,11 @@ def test_many_tokens_are_proven_on_a_few():
     torch.testing.assert_close(traced(x, w, norm_weights), expected, rtol=0, atol=0)
 
 
-def test_a_failing_replay_leaves_the_graph_as_it_was(monkeypatch):
+def test_a_failing_replay_leaves_the_graph_as_it_was(refuse_add_call):
     """An op the per-layer replay cannot build: nothing is rewritten, no node is left behind, no error."""
     from fx_fusion import layer_unstack
 
-    real = layer_unstack.add_call
-
-    def refuse_cats(graph, target, args, kwargs=None):
-        if target is aten.cat.default:
-            raise RuntimeError("refused")
-        return real(graph, target, args, kwargs)
-
-    monkeypatch.setattr(layer_unstack, "add_call", refuse_cats)
+    refuse_add_call(layer_unstack, aten.cat.default)
     args = _inputs()
     traced = make_fx(_one_norm, tracing_mode="fake")(*args)
     before = [node.format_node() for node in traced.graph.nodes]

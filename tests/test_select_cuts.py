@@ -95,18 +95,11 @@ def test_other_selects_stay(fn):
     assert [node.format_node() for node in traced.graph.nodes] == before
 
 
-def test_a_failing_build_leaves_the_graph_as_it_was(monkeypatch):
+def test_a_failing_build_leaves_the_graph_as_it_was(refuse_add_call):
     """A piece the fake tensors refuse: nothing is rewritten, no node is left behind, no error."""
     from fx_fusion import select_cuts
 
-    real = select_cuts.add_call
-
-    def refuse_slices(graph, target, args, kwargs=None):
-        if target is aten.slice.Tensor:
-            raise RuntimeError("refused")
-        return real(graph, target, args, kwargs)
-
-    monkeypatch.setattr(select_cuts, "add_call", refuse_slices)
+    refuse_add_call(select_cuts, aten.slice.Tensor)
     traced = make_fx(_by_select, tracing_mode="fake")(*_inputs())
     before = [node.format_node() for node in traced.graph.nodes]
     assert selects_as_column_slices(traced.graph) == 0
