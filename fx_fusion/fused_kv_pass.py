@@ -670,9 +670,10 @@ def _rewrite_group(
     one_weight_per_layer = all(b.n_layers == 1 and val(w).dim() == 1 for b, w in zip(branches, norm_weights))
     per_block_weights = [w for b, w in zip(branches, norm_weights) for _ in range(blocks_of[id(b)])]
     weights_in_place = one_weight_per_layer and len(per_block_weights) <= MAX_NORM_WEIGHTS_PER_LAUNCH
-    # a stacked branch's weight: its [n_layers, head_dim] table as is; one [head_dim] weight for all its
-    # layers, or weights stacked in the graph (a [n_layers * head_dim] cat), through the table below
-    one_weight_per_branch_layer = all(val(w).dim() == 2 or b.n_layers == 1 for b, w in zip(branches, norm_weights))
+    # a branch's weight as the op takes it: [head_dim] for one layer, [n_layers, head_dim] for a stack; one
+    # [head_dim] weight for all of a stack's layers, weights stacked in the graph (a cat) or a parameter
+    # shaped to broadcast ([L, 1, D]) go through the table below
+    weights_as_they_are = all(val(w).dim() == (1 if b.n_layers == 1 else 2) for b, w in zip(branches, norm_weights))
     eps_nodes = [b.norm.eps for b in branches for _ in range(blocks_of[id(b)]) if first.norm and isinstance(b.norm.eps, torch.fx.Node)]
     table_kind, cache_positions = _shared_rotary_tables(branches, same_value)
     if cache_positions is not None:
@@ -720,7 +721,7 @@ def _rewrite_group(
                 )]  # fmt: skip
             elif weights_in_place:
                 norm_weights = per_block_weights
-            elif norm_weights and (split_heads or len(norm_weights) > 1 or not one_weight_per_branch_layer):
+            elif norm_weights and (split_heads or len(norm_weights) > 1 or not weights_as_they_are):
                 rows = []  # a table (the parameters stay where they are)
                 for branch, weight in zip(branches, norm_weights):
                     row = builder.call(aten.reshape.default, weight, [-1, 1, head_dim])

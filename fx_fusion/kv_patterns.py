@@ -477,11 +477,13 @@ def _weights_stacked_in_graph(node) -> bool:
 
 
 def norm_weight_rows(weight: torch.fx.Node) -> list[int]:
-    """The shape of a norm's weight as layers x features: a parameter's own, or `[n_layers, D]` for weights
-    stacked in the graph."""
+    """The shape of a norm's weight as layers x features: `[n_layers, D]` for weights stacked in the graph,
+    else the parameter's own without its dims of size 1 (`[L, 1, D]` and `[1, 1, D]` parameters, shaped to
+    broadcast, are `[L, D]` and `[D]`)."""
     if _weights_stacked_in_graph(weight):
         return [len(weight.args[0]), val(weight).numel() // len(weight.args[0])]
-    return static_shape(weight)
+    shape = static_shape(weight)
+    return [size for size in shape[:-1] if size != 1] + shape[-1:]
 
 
 def _norm_weight_parameter(weight: torch.fx.Node) -> tuple[torch.fx.Node, float]:

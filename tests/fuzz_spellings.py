@@ -165,7 +165,9 @@ class FuzzDraft(nn.Module):
 # how a stacked draft norms each layer's K and puts them back together ("one_norm": one norm over all layers'
 # K at once, with ONE_NORM_WEIGHTS)
 STACKED_JOINS = ("stack", "unbind", "into_empty", "one_norm")
-ONE_NORM_WEIGHTS = ("stacked", "shared", "none")  # [L, 1, 1, D]; one [D] for every layer; no weight
+# the one norm's weights: stacked in the forward ([L, 1, 1, D]); one parameter shaped so ([L, 1, 1, D], or
+# [L, 1, D] token-major); one [D] for every layer; no weight
+ONE_NORM_WEIGHTS = ("stacked", "parameter", "shared", "none")
 ONE_NORM_NORMS = ("hf", "gemma", "no_upcast")  # the spellings whose weight may be a stacked tensor
 REPEATS = ("repeat", "cat", "expand")  # how it repeats the positions for every layer's rows
 # the seed's token-major [T, L, 2, H, D] layout, K and V cut by select, unbind or slices of [T, L, 2 * kv]
@@ -185,6 +187,9 @@ class StackedDraft(nn.Module):
         self.one_norm_weights, self.cut = one_norm_weights, cut
         self.kv = nn.Linear(HIDDEN, len(specs) * 2 * heads * HEAD_DIM, bias=specs[0]["bias"])
         self.norm_weights = nn.ParameterList(nn.Parameter(torch.rand(HEAD_DIM) + 0.5) for _ in specs)
+        if one_norm_weights == "parameter":  # the same values, as one parameter shaped to broadcast
+            shape = (len(specs), 1, HEAD_DIM) if cut else (len(specs), 1, 1, HEAD_DIM)
+            self.stacked_norm_weight = nn.Parameter(torch.stack([w.detach() for w in self.norm_weights]).view(shape))
 
     def forward(self, x, positions):  # [T, hidden], [T]: one sequence's context rows
         if self.cut is not None:
@@ -198,6 +203,7 @@ class StackedDraft(nn.Module):
         if self.join == "one_norm":
             weights = {
                 "stacked": lambda: torch.stack(list(self.norm_weights)).view(layers, 1, 1, HEAD_DIM),
+                "parameter": lambda: self.stacked_norm_weight,
                 "shared": lambda: self.norm_weights[0],
                 "none": lambda: None,
             }[self.one_norm_weights]()
@@ -235,6 +241,7 @@ class StackedDraft(nn.Module):
             k, v = kv.unbind(2) if self.cut == "unbind" else (kv[:, :, 0], kv[:, :, 1])
         weights = {
             "stacked": lambda: torch.stack(list(self.norm_weights)).view(layers, 1, HEAD_DIM),
+            "parameter": lambda: self.stacked_norm_weight,
             "shared": lambda: self.norm_weights[0],
             "none": lambda: None,
         }[self.one_norm_weights]()
@@ -256,7 +263,8 @@ def draw_stacked(seed: int) -> dict:
     join = "one_norm" if cut else rng.choice(STACKED_JOINS)
     one_norm_weights = rng.choice(ONE_NORM_WEIGHTS)
     if join == "one_norm":  # one expression: one norm and eps for all layers
-        spec["norm"] = {"stacked": rng.choice(ONE_NORM_NORMS), "shared": rng.choice(NORMS[1:]), "none": "f_rms_norm"}[
+        stacked = rng.choice(ONE_NORM_NORMS)
+        spec["norm"] = {"stacked": stacked, "parameter": stacked, "shared": rng.choice(NORMS[1:]), "none": "f_rms_norm"}[
             one_norm_weights
         ]
     specs = [dict(spec) for _ in range(rng.choice([1, 2, 3, 4]))]

@@ -857,6 +857,38 @@ def test_weightless_norm_and_negated_angle_fuse(dtype):
     assert counting.after[FUSED_OP] == 1 and counting.after[aten.rsqrt.default] == 0
 
 
+class BroadcastShapedNormWeightContext(nn.Module):
+    """Each layer's K norm weight a [1, 1, D] parameter, shaped to broadcast over [T, H, D]."""
+
+    def __init__(self, n_layers=3, hidden=48, heads=2, head_dim=16):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.k_proj = nn.ModuleList(nn.Linear(hidden, heads * head_dim, bias=False) for _ in range(n_layers))
+        self.v_proj = nn.ModuleList(nn.Linear(hidden, heads * head_dim, bias=False) for _ in range(n_layers))
+        self.k_norm = nn.ParameterList(nn.Parameter(torch.rand(1, 1, head_dim) + 0.5) for _ in range(n_layers))
+
+    def forward(self, x, cos, sin):  # x [T, hidden]; cos, sin [T, head_dim]
+        outs = []
+        for k_proj, v_proj, weight in zip(self.k_proj, self.v_proj, self.k_norm):
+            k = k_proj(x).view(-1, self.heads, self.head_dim)
+            k = weight * (k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + 1e-6))
+            k = k * cos[:, None] + rotate(k, False) * sin[:, None]
+            outs += [k, v_proj(x).view(-1, self.heads, self.head_dim)]
+        return tuple(outs)
+
+
+def test_norm_weights_shaped_to_broadcast_fuse():
+    torch.manual_seed(0)
+    module = BroadcastShapedNormWeightContext()
+    x = torch.randn(7, 48)
+    angles = torch.randn(7, 8)
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1) for f in (torch.cos, torch.sin))
+    counting = check_compiled_matches_eager(module, x, cos, sin)
+    (group,) = only_fused_groups(counting.records)
+    assert group.n_layers == 3 and group.k_norm
+    assert counting.after[FUSED_OP] == 1 and counting.after[aten.rsqrt.default] == 0
+
+
 def test_compiling_leaves_the_global_rng_alone():
     module = drafts.qwen3_context_kv(3)
     inputs = drafts.example_inputs(module, seq_len=5)
