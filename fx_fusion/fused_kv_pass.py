@@ -59,6 +59,8 @@ import collections
 import copy
 import logging
 import math
+import sys
+import types
 from typing import Optional
 
 import torch
@@ -72,10 +74,10 @@ import fx_fusion.kernels.ops  # noqa: F401  (registers fx_fusion::materialize_*)
 import fx_fusion.kernels.grouped_linear  # noqa: F401  (registers fx_fusion::grouped_linear)
 from fx_fusion.kernels.fused_kv_materialize import MAX_NORM_WEIGHTS_PER_LAUNCH
 
-from . import bias_adds, cache_writes, kv_patterns, op_lowering, probe_sizes, rotary_action, rotary_angles, scatter_forwarding, strided_outputs, token_cats
+from . import bias_adds, cache_writes, kv_patterns, op_lowering, rotary_action, rotary_angles, scatter_forwarding, strided_outputs, token_cats
 from .diagnostics import FusedGroup, PassRecord, RecordSink, Rejection, node_location
 from .kv_patterns import KBranch, NoMatch, Projection, is_call, val
-from . import layer_unstack, memo, padded_linears, select_cuts, values
+from . import layer_unstack, select_cuts
 from .padded_linears import padded_linear
 from .values import RESHAPES, ValueKeys
 
@@ -123,23 +125,9 @@ class FusedKVPass(CustomGraphPass):
         RecordSink.emit(record)
 
     def uuid(self) -> bytes:
-        # what shapes the rewritten graph: the matcher, the rewrite and the ops' schemas
-        files = (
-            __file__,
-            kv_patterns.__file__,
-            rotary_action.__file__,
-            rotary_angles.__file__,
-            values.__file__,
-            memo.__file__,
-            padded_linears.__file__,
-            probe_sizes.__file__,
-            scatter_forwarding.__file__,
-            layer_unstack.__file__,
-            bias_adds.__file__,
-            token_cats.__file__,
-            strided_outputs.__file__,
-            cache_writes.__file__,
-            op_lowering.__file__,
+        # what shapes the rewritten graph: the matcher and the rewrite (every module of the pass), and the
+        # ops' schemas and kernels (reached through torch.ops, so named)
+        files = _pass_module_files() + (
             fx_fusion.kernels.ops.__file__,
             fx_fusion.kernels.fused_kv_materialize.__file__,
             fx_fusion.kernels.grouped_linear.__file__,
@@ -151,6 +139,24 @@ class FusedKVPass(CustomGraphPass):
             f"epilogue={self.gemm_epilogue},angles={self.rotary_angles_in_kernel}"
         )
         return get_hash_for_files(files, extra=options)
+
+
+def _pass_module_files() -> tuple[str, ...]:
+    """The files of this module and of every fx_fusion module it reaches, through the modules, functions
+    and classes each one's globals hold (packages are not walked: what they hold depends on what else was
+    imported), sorted: a module added to the pass is in the cache key without being listed."""
+    files, stack = {}, [sys.modules[__name__]]
+    while stack:
+        module = stack.pop()
+        if module.__name__ in files:
+            continue
+        files[module.__name__] = module.__file__
+        for value in vars(module).values():
+            name = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+            reached = sys.modules.get(name) if isinstance(name, str) and name.startswith("fx_fusion.") else None
+            if reached is not None and not hasattr(reached, "__path__"):
+                stack.append(reached)
+    return tuple(files[name] for name in sorted(files))
 
 
 class _GraphBuilder:

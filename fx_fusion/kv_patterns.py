@@ -1167,8 +1167,10 @@ def _cut_sources(projection: Projection, node: torch.fx.Node, prefix: list, chai
         sources = []
         for piece, cut in pieces:
             cut_again = None
-            if depth > 1:
-                cut_again = _cut_sources(projection, piece, prefix, chain + cut, range(len(static_shape(piece)) - 1), depth - 1)
+            if depth > 1:  # cut again, maybe after layout ops (`kv.chunk(2, 0)[0].squeeze(0)[i]`)
+                layout, cut_node = follow_layout(piece, _CHAIN_OPS)
+                axes = range(len(static_shape(cut_node)) - 1)
+                cut_again = _cut_sources(projection, cut_node, prefix, chain + cut + layout, axes, depth - 1)
             source = None if cut_again else _strided_source(projection, piece, prefix, chain + cut)
             sources += cut_again or ([source] if source is not None else [])
         return sources or None

@@ -14,10 +14,10 @@ those L values stacked (`cat(values).view(result.shape)`, as the graph spells `t
 `unstack_layer_chains` writes, the per-layer chains reading `k[i]`; the K branches then start at `k[i]`, as
 they do where a model norms each layer's K with its own module and stacks the results.
 
-A chain qualifies when it starts at a select along a non-last dim of a (view of a) projection whose first
-dim is layers (each of its slices holds every token, `_slice_width`), keeps the layers on its first dim,
-contains a reduction (so it is norm-like, not a cast or a scale), and only its last node is read outside
-it. A per-head norm over one layer's heads laid out first (`kv.view(T, 2, H, D).permute(1, 2, 0, 3)[0]`)
+A chain qualifies when it starts at a select (or a one-wide slice or split piece, squeezed) along a
+non-last dim of a (view of a) projection whose first dim is layers (each of its slices holds every token,
+`_slice_width`), keeps the layers on its first dim, contains a reduction (so it is norm-like, not a cast
+or a scale), and only its last node is read outside it. A per-head norm over one layer's heads laid out first (`kv.view(T, 2, H, D).permute(1, 2, 0, 3)[0]`)
 passes those tests too, and is better fused as one layer of H heads; so the chain must also tell layers
 from heads: it reads an operand with one slice per layer (the stacked weights), or each slice holds more
 than one reduced row per token (a layer's several heads; one weight shared by every layer, or none), or
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 from typing import Optional
 
 import torch
@@ -68,28 +69,50 @@ def _pointwise(node: torch.fx.Node) -> bool:
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
 
 
-def _slice_width(node: torch.fx.Node) -> int:
-    """If `node` is a select along a non-last dim of a projection's output seen through views, whose first
-    dim runs along the projection's columns, each of its slices holding every token (so the first dim is
-    layers, not tokens or a batch): how many elements one slice holds per token. Else 0. Proven by
-    replaying the views on an index of the projection's elements, over a few tokens (`probe_sizes`)."""
-    if not is_call(node, aten.select.int) or len(node.args) != 3 or not isinstance(node.args[2], int):
-        return 0
-    dim, chain, source = node.args[1], [], node.args[0]
+def _cut(node: torch.fx.Node) -> Optional[tuple[int, list[torch.fx.Node]]]:
+    """(dim, the cut's nodes in graph order) when `node` takes one index along a non-last dim and drops it:
+    a select, or a one-wide piece of a slice or split squeezed (`kv.chunk(2, 0)[0].squeeze(0)`)."""
+    if is_call(node, aten.select.int) and len(node.args) == 3 and isinstance(node.args[2], int):
+        dim, nodes = node.args[1], [node]
+    elif is_call(node, aten.squeeze.dim) and isinstance(node.args[1], int) and static_shape(node.args[0])[node.args[1]] == 1:
+        dim, piece, nodes = node.args[1], node.args[0], [node.args[0], node]
+        if piece.target is operator.getitem and is_call(piece.args[0], aten.split.Tensor, aten.split_with_sizes.default):
+            split = piece.args[0]
+            if (split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)) % val(split.args[0]).dim() != dim % val(node.args[0]).dim():
+                return None
+            nodes = [split, *nodes]
+        elif not is_call(piece, aten.slice.Tensor) or piece.args[1] % val(piece).dim() != dim % val(piece).dim():
+            return None
+    else:
+        return None
+    source = nodes[0].args[0]
     if not isinstance(dim, int) or dim % val(source).dim() == val(source).dim() - 1:
+        return None
+    return dim, nodes
+
+
+def _slice_width(node: torch.fx.Node) -> int:
+    """If `node` cuts one index along a non-last dim (`_cut`) of a projection's output seen through views,
+    whose first dim runs along the projection's columns, each of its slices holding every token (so the
+    first dim is layers, not tokens or a batch): how many elements one slice holds per token. Else 0.
+    Proven by replaying the views and the cut on an index of the projection's elements, over a few tokens
+    (`probe_sizes`)."""
+    cut = _cut(node)
+    if cut is None:
         return 0
+    chain, source = list(reversed(cut[1])), cut[1][0].args[0]
     while is_call(source, *LAYOUT_OPS):
         chain.append(source)
         source = source.args[0]
     if not is_call(source, *PROJECTION_OPS) or val(source).dim() != 2:
         return 0
     rows, columns = static_shape(source)
-    dims = {n for view in chain for n in static_shape(view)[:-1]}
+    dims = {n for view in chain if isinstance(val(view), torch.Tensor) for n in static_shape(view)[:-1]}
     sizes = ProbeSizes([rows] + [n for n in dims if n > 1 and rows % n == 0])
 
     def simulate(sizes: ProbeSizes) -> int:
         index = torch.arange(sizes(rows) * columns).view(sizes(rows), columns)
-        value = replay(list(reversed(chain)), index, sizes).select(dim, node.args[2])
+        value = replay(list(reversed(chain)), index, sizes)
         tokens = torch.div(value, columns, rounding_mode="floor")
         if value.dim() < 2 or not bool((tokens == tokens[:1]).all()) or bool((value == value[:1]).all()):
             return 0

@@ -19,6 +19,7 @@ sees the same values.
 
 from __future__ import annotations
 
+import logging
 import math
 import operator
 from typing import Optional
@@ -30,6 +31,7 @@ from .kv_patterns import PROJECTION_OPS, add_call, erase_unused, is_call, val
 from .values import RESHAPES
 
 aten = torch.ops.aten
+logger = logging.getLogger(__name__)
 
 
 def _selects(view: torch.fx.Node) -> Optional[tuple[int, list[tuple[torch.fx.Node, int]]]]:
@@ -101,7 +103,9 @@ def selects_as_column_slices(graph: torch.fx.Graph) -> int:
         projection = view.args[0]
         while is_call(projection, *RESHAPES):  # `linear` of a batch: the product viewed [B, T, N] first
             projection = projection.args[0]
-        found = _selects(view) if is_call(projection, *PROJECTION_OPS) else None
-        if found is not None and _rewrite(view, projection, *found):
-            rewritten += 1
+        try:
+            found = _selects(view) if is_call(projection, *PROJECTION_OPS) else None
+            rewritten += found is not None and _rewrite(view, projection, *found)
+        except Exception:  # a graph shape this reading did not foresee: leave it as it is
+            logger.debug("fx_fusion: %s left as it is", view, exc_info=True)
     return rewritten

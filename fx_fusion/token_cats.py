@@ -109,7 +109,8 @@ def _computed_from_projections(piece: torch.fx.Node) -> bool:
         seen.add(node)
         if _projection_of(node) is not None:
             return True
-        if is_call(node, *_PER_TOKEN, aten.select.int, aten.unbind.int):  # one layer, or K among K and V
+        # one layer, or K among K and V (taken by select, unbind, or a cut squeezed; contiguous or not)
+        if is_call(node, *_PER_TOKEN, aten.select.int, aten.unbind.int, aten.squeeze.dim, aten.clone.default):
             stack.extend(node.all_input_nodes)
     return False
 

@@ -179,12 +179,13 @@ class StackedDraft(nn.Module):
     stacked, viewed [T, L, 2, H, D] and made layer-major, each layer's K normed on its own (its spec's norm
     and eps), joined back (STACKED_JOINS), viewed [L * T, H, D] and rotated once with the cos/sin of the
     positions repeated for every layer (REPEATS; `shift_last`: the last layer's rows read the next
-    positions, so its cos/sin differ). With a `cut`, the seed's token-major layout instead (`token_major`)."""
+    positions, so its cos/sin differ; `chunked`: K and V taken by `chunk(2, 0)` and squeezed). With a `cut`,
+    the seed's token-major layout instead (`token_major`)."""
 
-    def __init__(self, specs: list[dict], heads: int, join: str, repeat: str, shift_last: bool, one_norm_weights: str, cut: str):
+    def __init__(self, specs, heads, join, repeat, shift_last, one_norm_weights=None, cut=None, chunked=False):
         super().__init__()
         self.specs, self.heads, self.join, self.repeat, self.shift_last = specs, heads, join, repeat, shift_last
-        self.one_norm_weights, self.cut = one_norm_weights, cut
+        self.one_norm_weights, self.cut, self.chunked = one_norm_weights, cut, chunked
         self.kv = nn.Linear(HIDDEN, len(specs) * 2 * heads * HEAD_DIM, bias=specs[0]["bias"])
         self.norm_weights = nn.ParameterList(nn.Parameter(torch.rand(HEAD_DIM) + 0.5) for _ in specs)
         if one_norm_weights == "parameter":  # the same values, as one parameter shaped to broadcast
@@ -196,6 +197,8 @@ class StackedDraft(nn.Module):
             return self.token_major(x, positions)
         layers, tokens = len(self.specs), x.shape[0]
         kv = self.kv(x).view(tokens, layers, 2, self.heads, HEAD_DIM).permute(2, 1, 0, 3, 4).contiguous()
+        if self.chunked:  # K and V as `kv.chunk(2, 0)`, each squeezed: the same [L, T, H, D] values
+            kv = [half.squeeze(0) for half in kv.chunk(2, dim=0)]
 
         def norm(i, k):
             return _norm(self.specs[i]["norm"], self.specs[i]["eps"], self.norm_weights[i], k)
@@ -276,6 +279,7 @@ def draw_stacked(seed: int) -> dict:
         specs=specs, heads=rng.choice([1, 2]), join=join, repeat=rng.choice(REPEATS),
         shift_last=deviation == "shift_last", tokens=rng.choice([1, 3, 5]), dtype=rng.choice(["float32", "bfloat16"]),
         dynamic=rng.random() < 0.2, one_norm_weights=one_norm_weights if join == "one_norm" else None, cut=cut,
+        chunked=not cut and rng.random() < 0.3,
     )  # fmt: skip
 
 
@@ -326,7 +330,7 @@ def check_stacked(seed: int) -> tuple[dict, fx_fusion.FusedKVPass, float, float]
     torch.manual_seed(seed)
     draft = StackedDraft(
         drawn["specs"], drawn["heads"], drawn["join"], drawn["repeat"], drawn["shift_last"], drawn["one_norm_weights"],
-        drawn["cut"],
+        drawn["cut"], drawn["chunked"],
     )
     draft = draft.to(dtype).eval()
     x = torch.randn(drawn["tokens"], HIDDEN, dtype=dtype)

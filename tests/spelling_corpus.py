@@ -400,7 +400,8 @@ def explain_vllm_model():
 # [1]; each layer's K normed by its own k_norm (the custom op writes into `torch.empty_like(all_k)[i]`;
 # here either that or a torch.stack), then one RoPE over all layers' rows at once: K viewed
 # [L * T, kv], the cos/sin cache gathered at `positions.repeat(L)`. `respelled`: the layers cut with
-# `unbind` and the positions repeated by `expand(L, T).reshape(-1)` (the same values). `one_norm`: all
+# `unbind` and the positions repeated by `expand(L, T).reshape(-1)` (the same values); `chunked`: K and V
+# taken as `all_kv.chunk(2, dim=0)`, each squeezed (a cut, a layout op, then each layer's cut). `one_norm`: all
 # layers' K normed in one expression, RMSNorm.forward_native's math over the layer-major [L, T, H, D] K with
 # the layers' weights stacked [L, 1, 1, D] ("stacked", a stacked-weights rewrite of the per-layer norms), one
 # weight [D] for every layer ("shared") or none ("none", F.rms_norm without a weight).
@@ -410,9 +411,10 @@ def explain_vllm_model():
 
 
 class VllmDflashPrecompute(nn.Module):
-    def __init__(self, norms_into_empty: bool = False, respelled: bool = False, one_norm: Optional[str] = None):
+    def __init__(self, norms_into_empty=False, respelled=False, one_norm: Optional[str] = None, chunked=False):
         super().__init__()
         self.norms_into_empty, self.respelled, self.one_norm = norms_into_empty, respelled, one_norm
+        self.chunked = chunked
         self.kv_size = KV_HEADS * HEAD_DIM
         self.hidden_norm = VllmRMSNorm(HIDDEN)
         self.fused_kv_weight = nn.Parameter(torch.randn(N_LAYERS * 2 * self.kv_size, HIDDEN) / HIDDEN**0.5)
@@ -429,7 +431,10 @@ class VllmDflashPrecompute(nn.Module):
         num_ctx = context_states.shape[0]
         all_kv_flat = F.linear(self.hidden_norm(context_states), self.fused_kv_weight)
         all_kv = all_kv_flat.view(num_ctx, N_LAYERS, 2, KV_HEADS, HEAD_DIM).permute(2, 1, 0, 3, 4).contiguous()
-        all_k, all_v = all_kv[0], all_kv[1]  # [L, T, H, D]
+        if self.chunked:
+            all_k, all_v = (half.squeeze(0) for half in all_kv.chunk(2, dim=0))
+        else:
+            all_k, all_v = all_kv[0], all_kv[1]  # [L, T, H, D]
         if self.one_norm == "none":
             all_k_normed = F.rms_norm(all_k, (HEAD_DIM,), None, self.k_norms[0].variance_epsilon)
         elif self.one_norm:
@@ -455,9 +460,9 @@ class VllmDflashPrecompute(nn.Module):
         return k_rotated.view(N_LAYERS, num_ctx, KV_HEADS, HEAD_DIM), all_v
 
 
-def build_vllm_dflash_precompute(dtype, norms_into_empty=False, respelled=False, one_norm=None):
+def build_vllm_dflash_precompute(dtype, norms_into_empty=False, respelled=False, one_norm=None, chunked=False):
     torch.manual_seed(0)
-    module = VllmDflashPrecompute(norms_into_empty, respelled, one_norm)
+    module = VllmDflashPrecompute(norms_into_empty, respelled, one_norm, chunked)
     module, (x,) = _finish(module, dtype, _hidden(batched=False, tokens=BATCH * TOKENS))
     return module, (x, _positions(BATCH * TOKENS))
 
@@ -2284,6 +2289,11 @@ CASES: list[Case] = [
         "vllm_dflash_precompute_one_norm_no_weight",
         _VLLM_DFLASH + " (one K norm over all layers, F.rms_norm without a weight)",
         _p(build_vllm_dflash_precompute, one_norm="none"),
+    ),
+    Case(
+        "vllm_dflash_precompute_chunked_kv",
+        _VLLM_DFLASH + " (K and V as all_kv.chunk(2, 0), squeezed, then each layer's [i])",
+        _p(build_vllm_dflash_precompute, chunked=True),
     ),
     Case(
         "vllm_dflash_precompute_unbind_expanded_positions",

@@ -685,6 +685,21 @@ def test_freezing_with_backend(device):
     assert "fx_fusion.grouped_linear" not in "\n".join(codes)
 
 
+def test_pass_uuid_covers_every_module_of_the_pass_whatever_else_is_imported():
+    """The FX graph cache key hashes the pass's modules, found from its imports: the canonical-form rewrites
+    among them, and the same key in a process that imported other parts of fx_fusion first."""
+    import subprocess
+    import sys
+
+    from fx_fusion import fused_kv_pass, layer_unstack, scatter_forwarding, select_cuts, token_cats, values
+
+    files = fused_kv_pass._pass_module_files()
+    assert {m.__file__ for m in (fused_kv_pass, layer_unstack, scatter_forwarding, select_cuts, token_cats, values)} <= set(files)
+    script = "import fx_fusion.cli, fx_fusion.explain, fx_fusion; print(fx_fusion.FusedKVPass().uuid().hex())"
+    other_order = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert other_order.stdout.strip() == fx_fusion.FusedKVPass().uuid().hex()
+
+
 def test_pass_uuid_is_stable_and_option_dependent():
     assert fx_fusion.FusedKVPass().uuid() == fx_fusion.FusedKVPass().uuid()
     assert fx_fusion.FusedKVPass(min_layers=3).uuid() != fx_fusion.FusedKVPass().uuid()

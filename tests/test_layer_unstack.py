@@ -128,6 +128,21 @@ def test_weights_stacked_in_the_graph_give_each_layer_its_own():
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("cut", ["chunk", "slice"])
+def test_k_taken_by_a_one_wide_cut_squeezed(cut):
+    """`kv.chunk(2, 0)[0].squeeze(0)` or `kv[0:1].squeeze(0)`: the same [L, T, H, D] K as `kv[0]`."""
+
+    def one_norm(x, w, norm_weights):
+        kv = (x @ w.t()).view(TOKENS, LAYERS, 2, HEADS, DIM).permute(2, 1, 0, 3, 4).contiguous()
+        k = (kv.chunk(2, 0)[0] if cut == "chunk" else kv[0:1]).squeeze(0)
+        return k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weights
+
+    args = _inputs()
+    traced, rewritten, expected = _rewrite(one_norm, *args)
+    assert rewritten == 1 and _count(traced.graph, aten.mean.dim) == LAYERS
+    torch.testing.assert_close(traced(*args), expected, rtol=0, atol=0)
+
+
 def _norm_read_midway(x, w, norm_weights):
     k, _ = _layer_major_k(x, w)
     inv = torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + 1e-6)
