@@ -733,7 +733,7 @@ def _rewrite_group(
                     row = builder.call(aten.reshape.default, weight, [-1, 1, head_dim])
                     blocks = blocks_of[id(branch)] // branch.n_layers
                     shared = val(weight).numel() != branch.n_layers * head_dim  # one weight for all its layers
-                    if blocks > 1 or shared:  # the layer's weight for each of its blocks of heads
+                    if blocks > 1 or shared:  # each layer's weight (or the one for all) per block of heads
                         row = builder.call(aten.expand.default, row, [branch.n_layers, blocks, head_dim])
                     rows.append(builder.call(aten.reshape.default, row, [-1, head_dim]))
                 norm_weights = [builder.call(aten.cat.default, rows)]
