@@ -3,11 +3,17 @@ stacked; the graph computes what it computed before, and chains that do not keep
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fx_fusion.layer_unstack import unstack_layer_chains
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rewrite_checks import count_calls, traced_and_rewritten  # noqa: E402
 
 aten = torch.ops.aten
 LAYERS, TOKENS, HEADS, DIM = 3, 5, 2, 8
@@ -33,17 +39,8 @@ def _inputs(dtype=torch.float32, weights_shape=(LAYERS, 1, 1, DIM)):
     return x, w, (torch.rand(*weights_shape, generator=gen) + 0.5).to(dtype)
 
 
-def _count(graph: torch.fx.Graph, target) -> int:
-    return sum(1 for node in graph.nodes if node.op == "call_function" and node.target is target)
-
-
-def _rewrite(fn, *args) -> tuple[torch.fx.GraphModule, int, list]:
-    traced = make_fx(fn, tracing_mode="fake")(*args)
-    expected = traced(*args)
-    rewritten = unstack_layer_chains(traced.graph)
-    traced.graph.lint()
-    traced.recompile()
-    return traced, rewritten, expected
+def _rewrite(fn, *args):
+    return traced_and_rewritten(unstack_layer_chains, fn, *args)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -51,7 +48,7 @@ def test_one_norm_over_all_layers_becomes_a_norm_per_layer(dtype):
     args = _inputs(dtype)
     traced, rewritten, expected = _rewrite(_one_norm, *args)
     assert rewritten == 1
-    assert _count(traced.graph, aten.mean.dim) == LAYERS  # one reduction per layer, over [T, H, D] each
+    assert count_calls(traced.graph, aten.mean.dim) == LAYERS  # one reduction per layer, over [T, H, D] each
     assert all(len(n.meta["val"].shape) == 3 for n in traced.graph.nodes if n.target is aten.mean.dim)
     # each layer's norm weight is its row of the stacked weights, [D]
     rows = [n for n in traced.graph.nodes if n.target is aten.select.int and n.meta["val"].shape == (DIM,)]
@@ -71,7 +68,7 @@ def test_several_heads_per_layer_tell_layers_from_heads(weights_shape):
     else:
         args = _inputs(weights_shape=weights_shape)
         traced, rewritten, expected = _rewrite(_one_norm, *args)
-    assert rewritten == 1 and _count(traced.graph, aten.mean.dim) == LAYERS
+    assert rewritten == 1 and count_calls(traced.graph, aten.mean.dim) == LAYERS
     for got, want in zip(traced(*args), expected):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
@@ -94,7 +91,7 @@ def test_one_row_per_token_and_slice_with_one_weight_stays_whole(fn):
     layers of one head, so the chain stays as it is (one layer of H heads fuses without this rewrite)."""
     args = _inputs(weights_shape=(DIM,))
     traced, rewritten, expected = _rewrite(fn, *args)
-    assert rewritten == 0 and _count(traced.graph, aten.mean.dim) == 1
+    assert rewritten == 0 and count_calls(traced.graph, aten.mean.dim) == 1
     torch.testing.assert_close(traced(*args), expected, rtol=0, atol=0)
 
 
@@ -107,7 +104,7 @@ def test_one_head_per_layer_read_as_rows_of_all_layers_is_unstacked():
 
     args = _inputs(weights_shape=(DIM,))
     traced, rewritten, expected = _rewrite(merged, *args)
-    assert rewritten == 1 and _count(traced.graph, aten.mean.dim) == LAYERS
+    assert rewritten == 1 and count_calls(traced.graph, aten.mean.dim) == LAYERS
     torch.testing.assert_close(traced(*args), expected, rtol=0, atol=0)
 
 
@@ -139,7 +136,7 @@ def test_k_taken_by_a_one_wide_cut_squeezed(cut):
 
     args = _inputs()
     traced, rewritten, expected = _rewrite(one_norm, *args)
-    assert rewritten == 1 and _count(traced.graph, aten.mean.dim) == LAYERS
+    assert rewritten == 1 and count_calls(traced.graph, aten.mean.dim) == LAYERS
     torch.testing.assert_close(traced(*args), expected, rtol=0, atol=0)
 
 

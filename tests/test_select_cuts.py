@@ -3,27 +3,24 @@ slices of `[T, L, 2 * H * D]`; the graph computes what it computed before, and o
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fx_fusion.select_cuts import selects_as_column_slices
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rewrite_checks import count_calls, traced_and_rewritten  # noqa: E402
+
 aten = torch.ops.aten
 TOKENS, LAYERS, HEADS, DIM, HIDDEN = 5, 3, 2, 8, 16
 
 
-def _count(graph: torch.fx.Graph, target) -> int:
-    return sum(1 for node in graph.nodes if node.op == "call_function" and node.target is target)
-
-
-def _rewrite(fn, *args) -> tuple[torch.fx.GraphModule, int, object]:
-    traced = make_fx(fn, tracing_mode="fake")(*args)
-    expected = traced(*args)
-    rewritten = selects_as_column_slices(traced.graph)
-    traced.graph.lint()
-    traced.recompile()
-    return traced, rewritten, expected
+def _rewrite(fn, *args):
+    return traced_and_rewritten(selects_as_column_slices, fn, *args)
 
 
 def _inputs(batch: int = 0):
@@ -55,7 +52,7 @@ def test_picks_become_column_slices(fn, batch):
     args = _inputs(batch)
     traced, rewritten, expected = _rewrite(fn, *args)
     assert rewritten == 1
-    assert _count(traced.graph, aten.select.int) == 0 and _count(traced.graph, aten.unbind.int) == 0
+    assert count_calls(traced.graph, aten.select.int) == 0 and count_calls(traced.graph, aten.unbind.int) == 0
     slices = [n for n in traced.graph.nodes if n.target is aten.slice.Tensor]
     width = HEADS * DIM
     assert sorted(n.args[2:] for n in slices) == [(0, width), (width, 2 * width)]
