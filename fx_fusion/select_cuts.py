@@ -9,7 +9,9 @@ layer's 2 * H * D. The pass reads that layout as the seed's `[total_ctx, n_layer
 
 with inner = prod(S[s+1:]) and W = S[s] * inner, when every reader of the view is a select along one axis s
 (or an `unbind` along it, read through `getitem`) that leaves at least two dims after it (heads and head
-dim); `p` may be reached through reshapes (`linear` of a batch views its product `[B, T, N]` first). The
+dim); `p` may be reached through reshapes (`linear` of a batch views its product `[B, T, N]` first), or be a
+block of the product's columns (`y.chunk(L, -1)[i].view(T, 2, H, D).unbind(1)`: each layer's K and V), whose
+slices then nest in the cut that made it. The
 same reading serves a packed qkv (`qkv.view(B, T, 3, H, D).unbind(2)`: Q, K and V column slices). A select
 next to the last dim (Falcon's per-head `qkv.view(B, T, H, 3, D)[..., 1, :]`) stays as it is: its heads
 are read where they are. The product is a row-major `[rows, N]` tensor, so both spellings address the
@@ -27,7 +29,7 @@ from typing import Optional
 import torch
 import torch.fx
 
-from .kv_patterns import PROJECTION_OPS, add_call, erase_unused, is_call, val
+from .kv_patterns import PROJECTION_OPS, add_call, column_range, erase_unused, is_call, same_size, val
 from .values import RESHAPES
 
 aten = torch.ops.aten
@@ -56,8 +58,9 @@ def _selects(view: torch.fx.Node) -> Optional[tuple[int, list[tuple[torch.fx.Nod
     return axes.pop(), picks
 
 
-def _rewrite(view: torch.fx.Node, projection: torch.fx.Node, axis: int, picks: list) -> bool:
-    """Rewrite each pick of `view` as a column slice of `projection` (module docstring); whether it did.
+def _rewrite(view: torch.fx.Node, base: torch.fx.Node, axis: int, picks: list) -> bool:
+    """Rewrite each pick of `view` as a column slice of `base` (the product or a block of its columns,
+    `_columns_of_a_projection`), viewed coarsely (module docstring); whether it did.
     Every new piece is built, and checked to have its pick's shape and strides, before the graph changes."""
     shape = list(val(view).shape)
     tail = shape[axis:]
@@ -67,9 +70,13 @@ def _rewrite(view: torch.fx.Node, projection: torch.fx.Node, axis: int, picks: l
     lead = [size if isinstance(size, int) else -1 for size in shape[:axis]]
     graph, added, pieces = view.graph, [], {}
     try:
-        with graph.inserting_after(view):
-            added.append(add_call(graph, aten.view.default, [projection, lead + [math.prod(tail)]]))
-        coarse = added[-1]
+        coarse_shape = [*shape[:axis], math.prod(tail)]
+        if len(coarse_shape) == val(base).dim() and all(map(same_size, coarse_shape, val(base).shape)):
+            coarse = base  # already that shape: its column cuts are read directly
+        else:
+            with graph.inserting_after(view):
+                added.append(add_call(graph, aten.view.default, [base, lead + [math.prod(tail)]]))
+            coarse = added[-1]
         for pick, index in picks:
             index %= shape[axis]
             with graph.inserting_before(pick):
@@ -94,18 +101,35 @@ def _layout(value: torch.Tensor) -> tuple:
     return tuple(value.shape), value.stride(), value.storage_offset()
 
 
+def _columns_of_a_projection(node: torch.fx.Node) -> Optional[torch.fx.Node]:
+    """What the coarse view is taken of: the product, when `node` is it seen through reshapes (`linear` of a
+    batch views it `[B, T, N]` first); a block of its columns (`y.chunk(L, -1)[i]`, each layer's K and V)
+    seen through reshapes, that block. Else None."""
+    base = node
+    while is_call(base, *RESHAPES):
+        base = base.args[0]
+    if is_call(base, *PROJECTION_OPS):
+        return base
+    source = base
+    while True:
+        while is_call(source, *RESHAPES):
+            source = source.args[0]
+        cut = column_range(source)
+        if cut is None:
+            return base if is_call(source, *PROJECTION_OPS) and base is not source else None
+        source = cut[0]
+
+
 def selects_as_column_slices(graph: torch.fx.Graph) -> int:
     """Rewrite the picks of every projection view that qualifies (module docstring); returns how many views."""
     rewritten = 0
     for view in list(graph.nodes):
         if not is_call(view, *RESHAPES):
             continue
-        projection = view.args[0]
-        while is_call(projection, *RESHAPES):  # `linear` of a batch: the product viewed [B, T, N] first
-            projection = projection.args[0]
         try:
-            found = _selects(view) if is_call(projection, *PROJECTION_OPS) else None
-            rewritten += found is not None and _rewrite(view, projection, *found)
+            base = _columns_of_a_projection(view.args[0])
+            found = _selects(view) if base is not None else None
+            rewritten += found is not None and _rewrite(view, base, *found)
         except Exception:  # a graph shape this reading did not foresee: leave it as it is
             logger.debug("fx_fusion: %s left as it is", view, exc_info=True)
     return rewritten

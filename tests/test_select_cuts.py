@@ -3,6 +3,7 @@ slices of `[T, L, 2 * H * D]`; the graph computes what it computed before, and o
 
 from __future__ import annotations
 
+import operator
 import os
 import sys
 
@@ -58,6 +59,29 @@ def test_picks_become_column_slices(fn, batch):
     assert sorted(n.args[2:] for n in slices) == [(0, width), (width, 2 * width)]
     coarse = slices[0].args[0]
     assert list(coarse.meta["val"].shape[-2:]) == [LAYERS, 2 * width]  # [..., T, L, 2 * kv]: the seed's layout
+    for got, want in zip(traced(*args), expected):
+        assert got.stride() == want.stride()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_each_layers_column_block_cut_by_unbind():
+    """`y.chunk(L, -1)[i].view(T, 2, H, D).unbind(1)`: each layer's block of columns, its K and V picked by
+    unbind, becomes two column slices of that block (no view in between, so the cuts nest)."""
+
+    def per_layer_blocks(x, w):
+        outs = []
+        for block in torch.nn.functional.linear(x, w).chunk(LAYERS, dim=-1):
+            k, v = block.view(TOKENS, 2, HEADS, DIM).unbind(1)
+            outs += [k * 2.0, v + 1.0]
+        return tuple(outs)
+
+    args = _inputs()
+    traced, rewritten, expected = _rewrite(per_layer_blocks, *args)
+    assert rewritten == LAYERS and count_calls(traced.graph, aten.unbind.int) == 0
+    width = HEADS * DIM
+    slices = [n for n in traced.graph.nodes if n.target is aten.slice.Tensor]
+    assert sorted(n.args[2:] for n in slices) == sorted([(0, width), (width, 2 * width)] * LAYERS)
+    assert all(n.args[0].target is operator.getitem for n in slices)  # cut from the chunk's pieces directly
     for got, want in zip(traced(*args), expected):
         assert got.stride() == want.stride()
         torch.testing.assert_close(got, want, rtol=0, atol=0)
