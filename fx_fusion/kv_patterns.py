@@ -194,6 +194,11 @@ def bias_add_of(mm: torch.fx.Node) -> Optional[torch.fx.Node]:
     return add
 
 
+def is_product(node) -> bool:
+    """A linear's product: an mm/addmm, or the cut of one that Inductor zero-padded (`padded_linears`)."""
+    return is_call(node, *PROJECTION_OPS) or (isinstance(node, torch.fx.Node) and padded_linears.padded_linear(node) is not None)
+
+
 def match_projection(node: torch.fx.Node) -> Projection:
     padded = padded_linears.padded_linear(node)
     if padded is not None:  # cut out of a product Inductor zero-padded: the linear it computes

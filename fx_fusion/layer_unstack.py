@@ -40,11 +40,11 @@ import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .kv_patterns import (
-    PROJECTION_OPS,
     add_call,
     depends_on,
     erase_unused,
     is_call,
+    is_product,
     replay,
     same_size,
     static_shape,
@@ -104,7 +104,7 @@ def _slice_width(node: torch.fx.Node) -> int:
     while is_call(source, *LAYOUT_OPS):
         chain.append(source)
         source = source.args[0]
-    if not is_call(source, *PROJECTION_OPS) or val(source).dim() != 2:
+    if not is_product(source) or val(source).dim() != 2:
         return 0
     rows, columns = static_shape(source)
     dims = {n for view in chain if isinstance(val(view), torch.Tensor) for n in static_shape(view)[:-1]}

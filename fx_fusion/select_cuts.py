@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 import torch.fx
 
-from .kv_patterns import PROJECTION_OPS, add_call, column_range, erase_unused, is_call, same_size, val
+from .kv_patterns import add_call, column_range, erase_unused, is_call, is_product, same_size, val
 from .values import RESHAPES
 
 aten = torch.ops.aten
@@ -108,15 +108,15 @@ def _columns_of_a_projection(node: torch.fx.Node) -> Optional[torch.fx.Node]:
     base = node
     while is_call(base, *RESHAPES):
         base = base.args[0]
-    if is_call(base, *PROJECTION_OPS):
+    if is_product(base):
         return base
     source = base
     while True:
         while is_call(source, *RESHAPES):
             source = source.args[0]
-        cut = column_range(source)
+        cut = column_range(source) if not is_product(source) else None
         if cut is None:
-            return base if is_call(source, *PROJECTION_OPS) and base is not source else None
+            return base if is_product(source) and base is not source else None
         source = cut[0]
 
 
