@@ -17,14 +17,14 @@ they do where a model norms each layer's K with its own module and stacks the re
 A chain qualifies when it starts at a select (or a one-wide slice or split piece, squeezed) along a
 non-last dim of a (view of a) projection whose first dim is layers (each of its slices holds every token,
 `_slice_width`), keeps the layers on its first dim, contains a reduction (so it is norm-like, not a cast
-or a scale), and only its last node is read outside it. A per-head norm over one layer's heads laid out first (`kv.view(T, 2, H, D).permute(1, 2, 0, 3)[0]`)
-passes those tests too, and is better fused as one layer of H heads; so the chain must also tell layers
-from heads: it reads an operand with one slice per layer (the stacked weights), or each slice holds more
-than one reduced row per token (a layer's several heads; one weight shared by every layer, or none), or
-its result is read only with the slices merged into rows (`[L * T, ...]`: no heads of one token). Where
-both readings fit (one row per token and slice, one weight for all, the slices kept apart) the chain
-stays whole: read as heads, it fuses as one layer. Anything else, or anything the fake tensors refuse, is
-left as it is.
+or a scale), and only its last node is read outside it. A per-head norm over one layer's heads laid out
+first (`kv.view(T, 2, H, D).permute(1, 2, 0, 3)[0]`) passes those tests too, and is better fused as one
+layer of H heads; so the chain must also tell layers from heads: it reads an operand with one slice per
+layer (the stacked weights), or each slice holds more than one reduced row per token (a layer's several
+heads; one weight shared by every layer, or none), or its result is read only with the slices merged into
+rows (`[L * T, ...]`: no heads of one token). Where both readings fit (one row per token and slice, one
+weight for all, the slices kept apart) the chain stays whole: read as heads, it fuses as one layer.
+Anything else, or anything the fake tensors refuse, is left as it is.
 """
 
 from __future__ import annotations
