@@ -26,10 +26,11 @@ and computes the group's rotary angles, where Hugging Face forms them as an oute
 equal broadcast multiply (see rotary_angles), so Inductor fuses them into the cos/sin kernel.
 
 Why every accepted region equals the fused op:
-- the projection is an mm/addmm of x with parameters (biases one value per column), or the cut of one
-  that Inductor zero-padded to aligned sizes (padded_linears: the same values), and the columns the
-  branch reads are established by replaying its layout ops on an index tensor (kv_patterns.head_layout;
-  over a few tokens, which every layout op treats alike, probe_sizes);
+- the projection is an mm/addmm of x with parameters (biases one value per column), the cut of one
+  that Inductor zero-padded to aligned sizes (padded_linears: the same values), or an einsum's batch-1
+  bmm whose operands address exactly x's rows and W.T (batched_linears; put back where nothing fused
+  it), and the columns the branch reads are established by replaying its layout ops on an index tensor
+  (kv_patterns.head_layout; over a few tokens, which every layout op treats alike, probe_sizes);
 - the scatter forwarding, the per-piece ops after a token cat and the re-layout of a strided piece are
   exact identities (the same elements through the same ops);
 - the norm is matched op by op in each of its accepted forms (kv_patterns.match_rms_norm), which differ
@@ -77,7 +78,7 @@ from fx_fusion.kernels.fused_kv_materialize import MAX_NORM_WEIGHTS_PER_LAUNCH
 from . import bias_adds, cache_writes, kv_patterns, op_lowering, rotary_action, rotary_angles, scatter_forwarding, strided_outputs, token_cats
 from .diagnostics import FusedGroup, PassRecord, RecordSink, Rejection, node_location
 from .kv_patterns import KBranch, NoMatch, Projection, is_call, val
-from . import layer_unstack, select_cuts
+from . import batched_linears, layer_unstack, select_cuts
 from .padded_linears import padded_linear
 from .values import RESHAPES, ValueKeys
 
@@ -342,6 +343,15 @@ def _find_candidates(graph: torch.fx.Graph, record: PassRecord, same_value: Valu
 def fuse_kv_groups(graph: torch.fx.Graph, min_layers: int = 1, stack_weights_in_graph: bool = False) -> PassRecord:
     """Find, group and rewrite (module docstring). `stack_weights_in_graph`: spell the grouped GEMM as one
     mm over `cat(weights)` in the graph, for Inductor freezing to fold into one constant (no op call)."""
+    # einsum projections as the linears they compute, provisionally: put back where nothing fused them
+    read = batched_linears.read_as_linears(graph)
+    try:
+        return _fuse_kv_groups(graph, min_layers, stack_weights_in_graph)
+    finally:
+        batched_linears.restore(graph, read)
+
+
+def _fuse_kv_groups(graph: torch.fx.Graph, min_layers: int, stack_weights_in_graph: bool) -> PassRecord:
     record = PassRecord()
     fake_mode = _fake_mode(graph)
     # canonical forms first: in-place column updates as plain chains, K/V of stacked layers cut by selects
@@ -430,7 +440,7 @@ def _fuse_members(
         and p.out_features in widths
         and bool(p.biases) == bool(first.biases)
         and val(p.node).dtype == val(first.node).dtype
-        and not p.weight_transposed
+        and not _frozen_transposed(p)
     ]
     try:
         group, in_order = _rewrite_group(graph, fake_mode, members, extra, record, same_value, stack_in_graph)
@@ -628,6 +638,11 @@ def _grouped_gemm(builder: _GraphBuilder, x2d, weights: list, biases: list, stac
     return builder.call(aten.mm.default, x2d, stacked)
 
 
+def _frozen_transposed(projection: Projection) -> bool:
+    """Weights Inductor freezing folded into constants stored [hidden, out_features]."""
+    return projection.weight_transposed and any(w.op == "get_attr" for w in projection.weights)
+
+
 def _rewrite_group(
     graph, fake_mode, branches: list[KBranch], extra: list[Projection], record, same_value, stack_in_graph: bool
 ) -> FusedGroup:
@@ -637,7 +652,7 @@ def _rewrite_group(
     for projection in [b.projection for b in branches] + extra:
         if projection.node not in {p.node for p in projections}:
             projections.append(projection)
-    if any(p.weight_transposed for p in projections):
+    if any(_frozen_transposed(p) for p in projections):
         raise NoMatch("projection weights were pre-transposed by Inductor freezing; use backend='fx_fusion'")
     offsets, column = {}, 0
     for projection in projections:
@@ -708,7 +723,9 @@ def _rewrite_group(
     builder = _GraphBuilder(graph, fake_mode)
     try:
         with graph.inserting_before(point):  # in the order they are built
-            weights = [w for p in projections for w in p.weights]
+            # each weight as the op reads it, [out_features, hidden]: one stored [hidden, out_features]
+            # (`x @ W`) as its transposed view, read where it lives
+            weights = [builder.call(aten.permute.default, w, [1, 0]) if p.weight_transposed else w for p in projections for w in p.weights]
             biases = [b for p in projections for b in p.biases]
             proj = _grouped_gemm(builder, x2d, weights, biases, stack_in_graph)
             k_block = builder.call(aten.slice.Tensor, proj, 1, block_start, block_start + n_blocks * step)

@@ -168,7 +168,7 @@ class Projection:
     x2d: torch.fx.Node
     weights: list[torch.fx.Node]  # each [layer_width, hidden] (placeholder or get_attr)
     biases: list[torch.fx.Node]  # [] or one [layer_width] per weight
-    weight_transposed: bool  # True when a weight is stored [hidden, out_features] (folded constant)
+    weight_transposed: bool  # True when a weight is stored [hidden, out_features] (`x @ W`, or a folded constant)
     n_layers: int = 1
     parts: tuple = ()  # the mm nodes of a concatenated projection
 
@@ -219,8 +219,8 @@ def match_projection(node: torch.fx.Node) -> Projection:
 
 
 def _linear(node: torch.fx.Node, bias, x2d: torch.fx.Node, rhs: torch.fx.Node) -> Projection:
-    """node = x2d @ rhs (+ bias) as a Projection, when rhs is a weight parameter transposed (or a folded
-    constant) and bias a parameter with one value per column."""
+    """node = x2d @ rhs (+ bias) as a Projection, when rhs is a weight parameter transposed, a parameter
+    stored [hidden, out_features] or a folded constant, and bias a parameter with one value per column."""
     if bias is not None:
         if not is_parameter_rows(bias) or len(val(bias).shape) != 1:
             if _cut_from_parameter(bias):
@@ -231,8 +231,8 @@ def _linear(node: torch.fx.Node, bias, x2d: torch.fx.Node, rhs: torch.fx.Node) -
     biases = [bias] if bias is not None else []
     if is_call(rhs, aten.permute.default) and list(rhs.args[1]) == [1, 0] and is_parameter_rows(rhs.args[0]):
         return Projection(node, x2d, [rhs.args[0]], biases, False)
-    if is_weight_input(rhs) and rhs.op == "get_attr":
-        return Projection(node, x2d, [rhs], biases, True)
+    if is_weight_input(rhs) and (rhs.op == "get_attr" or (val(rhs).dim() == 2 and static_shape(x2d)[-1] > 1)):
+        return Projection(node, x2d, [rhs], biases, True)  # stored [hidden, out]: `x @ W`, or folded by freezing
     # a contraction over the hidden size of a weight cut from a parameter; not, e.g., rotary angles'
     # outer product (inner size 1)
     if static_shape(x2d)[-1] > 1 and _cut_from_parameter(rhs):

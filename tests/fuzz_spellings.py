@@ -5,6 +5,7 @@ split in two, or K and V cut from a qkv linear by slices), lays K out as [B, T, 
 (before or after the norm), normalises it (none, Hugging Face's RMSNorm, F.rms_norm, Gemma's 1 + weight,
 no upcast) and rotates it (rotate_half by slices or chunk, vLLM's native halves, GPT-J pairs; full or
 partial) with cos/sin computed from the positions or gathered from a cat(cos, sin) cache. Optional: bias,
+every linear applied by `torch.einsum` or over weights stored [hidden, out] (`x @ W`),
 V transposed, the raw K returned too, one norm weight shared by every layer, a dynamic token count, and
 a DFlash token concatenation: each layer's context rows joined with a noise block's along tokens, at its
 projections (z-lab), after the K norm of each piece, or at the projections' input rows. `--stacked` draws
@@ -93,15 +94,30 @@ class FuzzLayer(nn.Module):
         else:  # kv: [k | v]; qkv: [q (2H heads) | k | v]
             self.fused = nn.Linear(HIDDEN, (2 if spec["projection"] == "kv" else 4) * width, bias=bias)
         self.norm_weight = nn.Parameter(torch.rand(HEAD_DIM) + 0.5) if spec["norm"] != "none" else None
+        for name, module in list(self.named_children()) if spec["hidden_first"] else []:
+            self.register_parameter(name + "_hidden_first", nn.Parameter(module.weight.detach().t().contiguous()))
+
+    def linear(self, name: str, x):
+        """The linear `name`, as drawn: the module itself, an einsum (CS336's Linear), or over its weight
+        stored [hidden, out] (`hidden_first`: a parameter of its own) by `x @ W` or einsum."""
+        module = getattr(self, name)
+        if self.spec["hidden_first"]:
+            weight = getattr(self, name + "_hidden_first")
+            y = torch.einsum("...i,io->...o", x, weight) if self.spec["einsum"] else x @ weight
+        elif self.spec["einsum"]:
+            y = torch.einsum("...i,oi->...o", x, module.weight)
+        else:
+            return module(x)
+        return y if module.bias is None else y + module.bias
 
     def project(self, x):
         width = HEADS * HEAD_DIM
         if self.spec["projection"] == "separate":
-            return self.k_proj(x), self.v_proj(x)
+            return self.linear("k_proj", x), self.linear("v_proj", x)
         if self.spec["projection"] == "kv":
-            k, v = self.fused(x).split(width, dim=-1)
+            k, v = self.linear("fused", x).split(width, dim=-1)
             return k, v
-        qkv = self.fused(x)
+        qkv = self.linear("fused", x)
         return qkv[..., 2 * width : 3 * width], qkv[..., 3 * width :]
 
     def norm(self, k):
@@ -300,11 +316,15 @@ def draw(seed: int) -> dict:
             "eps": 1e-5, "base": 500.0, "flip_x": True, "rope": rng.choice(ROPES), "norm": rng.choice(NORMS),
             "partial": not spec["partial"],
         }[field]  # fmt: skip
-    return dict(
+    drawn = dict(
         specs=specs, shared_norm=rng.random() < 0.3, tokens=rng.choice([1, 3, 5]), batch=rng.choice([1, 2]),
         dtype=rng.choice(["float32", "bfloat16"]), dynamic=rng.random() < 0.2, token_cat=rng.random() < 0.2,
         token_cat_at=rng.choice(TOKEN_CAT_PLACES),
     )  # fmt: skip
+    einsum, hidden_first = rng.random() < 0.25, rng.random() < 0.2  # drawn last: earlier seeds keep their drafts
+    for spec in specs:
+        spec.update(einsum=einsum, hidden_first=hidden_first)
+    return drawn
 
 
 def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:

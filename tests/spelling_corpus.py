@@ -753,7 +753,7 @@ class TorchRMSNormContext(nn.Module):
 
 def _hf_cos_sin(position_ids, rotary_dim=HEAD_DIM, base=10000.0):
     """HF rotary embedding's output: emb = cat(freqs, freqs); cos/sin [B, T, rotary_dim]."""
-    freqs = position_ids[..., None].float() * _inv_freq(rotary_dim, base)
+    freqs = position_ids[..., None].float() * _inv_freq(rotary_dim, base).to(position_ids.device)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
 
@@ -2231,6 +2231,79 @@ def build_olmo_clip(dtype):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# 41. Projections written as einsum. Stanford CS336's assignment 1 (stanford-cs336/assignment1-basics, as its
+# public solutions write it, cs336_basics/linear.py and rope.py) defines its own Linear: a [d_out, d_in]
+# weight applied with einsum("... d_in, d_out d_in -> ... d_out"), and a RoPE over pairs of dims (2i, 2i+1)
+# with cos/sin buffers [max_seq_len, d_k / 2] read at token_positions; no K norm. The second spelling keeps
+# Qwen3's per-head K norm and rotate_half with einsum projections over a flattened batch ("td,nd->tn"). And
+# weights stored [d_in, d_out], applied by einsum "...i,io->...o" or as x @ W.
+
+
+class EinsumLinear(nn.Module):
+    """weight [d_out, d_in] by einsum; hidden_first: [d_in, d_out], by einsum or by `x @ W` (matmul)."""
+
+    def __init__(self, d_in: int, d_out: int, hidden_first: str = ""):
+        super().__init__()
+        self.hidden_first = hidden_first
+        shape = (d_in, d_out) if hidden_first else (d_out, d_in)
+        self.weight = nn.Parameter(torch.randn(shape) * d_in**-0.5)
+
+    def forward(self, x):
+        if self.hidden_first == "matmul":
+            return x @ self.weight
+        if self.hidden_first == "einsum":
+            return torch.einsum("...i,io->...o", x, self.weight)
+        return torch.einsum("...i,oi->...o", x, self.weight)
+
+
+class PairRope(nn.Module):
+    def __init__(self, d_k: int, max_seq_len: int = MAX_POS, theta: float = 10000.0):
+        super().__init__()
+        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), _inv_freq(d_k, theta))
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x, token_positions):
+        cos, sin = self.cos[token_positions], self.sin[token_positions]  # [..., seq, d_k / 2]
+        if x.dim() == 4:  # [batch, heads, seq, d_k]: one angle per token, shared by the heads
+            cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)
+        even, odd = x[..., 0::2], x[..., 1::2]
+        return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+
+
+class EinsumContext(nn.Module):
+    def __init__(self, k_norm: bool, hidden_first: str = ""):
+        super().__init__()
+        self.wk = nn.ModuleList(EinsumLinear(HIDDEN, KV_HEADS * HEAD_DIM, hidden_first) for _ in range(N_LAYERS))
+        self.wv = nn.ModuleList(EinsumLinear(HIDDEN, KV_HEADS * HEAD_DIM, hidden_first) for _ in range(N_LAYERS))
+        self.k_norm = nn.ModuleList(nn.RMSNorm(HEAD_DIM, eps=EPS) for _ in range(N_LAYERS)) if k_norm else None
+        self.rope = PairRope(HEAD_DIM)
+        _randomize_norm_weights(self)
+
+    def forward(self, x, token_positions):
+        if self.k_norm is None:  # CS336: [batch, seq, d_model] -> heads first, RoPE per head
+            batch, seq = x.shape[:2]
+            outs = []
+            for wk, wv in zip(self.wk, self.wv):
+                k = wk(x).view(batch, seq, KV_HEADS, HEAD_DIM).transpose(1, 2)
+                outs += [self.rope(k, token_positions), wv(x).view(batch, seq, KV_HEADS, HEAD_DIM).transpose(1, 2)]
+            return tuple(outs)
+        rows = x.flatten(0, 1)  # [tokens, d_model]
+        cos, sin = (t.to(x.dtype) for t in _hf_cos_sin(token_positions.flatten()[None]))
+        outs = []
+        for wk, wv, k_norm in zip(self.wk, self.wv, self.k_norm):
+            k = k_norm(torch.einsum("td,nd->tn", rows, wk.weight).view(rows.shape[0], KV_HEADS, HEAD_DIM))
+            k = k * cos[0, :, None] + modeling_qwen3.rotate_half(k) * sin[0, :, None]
+            outs += [k, torch.einsum("td,nd->tn", rows, wv.weight)]
+        return tuple(outs)
+
+
+def build_einsum(dtype, k_norm=False, hidden_first=""):
+    torch.manual_seed(0)
+    return _finish(EinsumContext(k_norm, hidden_first), dtype, _hidden(), _positions()[None].expand(BATCH, -1))
+
+
+# ----------------------------------------------------------------------------------------------------------
 # The corpus
 
 _p = functools.partial
@@ -2483,6 +2556,22 @@ CASES: list[Case] = [
         "qwen2_vl_multimodal_rope_sections",
         _HF_MODELS + "qwen2_vl/modeling_qwen2_vl.py (apply_multimodal_rotary_pos_emb, 4.x)",
         _p(build_multimodal_rope),
+    ),
+    Case(
+        "cs336_einsum_linear_pair_rope",
+        "stanford-cs336/assignment1-basics cs336_basics/linear.py, rope.py (einsum Linear, RoPE on pairs)",
+        _p(build_einsum),
+    ),
+    Case("einsum_projections_qwen3_k_norm", _HF + " math, projections as torch.einsum over flattened tokens", _p(build_einsum, k_norm=True)),
+    Case(
+        "einsum_hidden_first_weights",
+        "stanford-cs336/assignment1-basics layers, each weight stored [d_in, d_out] (einsum '...i,io->...o')",
+        _p(build_einsum, hidden_first="einsum"),
+    ),
+    Case(
+        "matmul_hidden_first_weights",
+        "stanford-cs336/assignment1-basics layers, each weight stored [d_in, d_out] and applied as x @ W",
+        _p(build_einsum, hidden_first="matmul"),
     ),
     Case(
         "llama4_complex_rope_weightless_norm_after",
