@@ -3,9 +3,10 @@
 Matches (post-grad ATen graph, or the joint graph before freezing): L >= min_layers K branches that read
 the same hidden states x, each
 
-    k_l = linear(x, Wk_l[, bk_l])  (or the K columns of a fused kv/qkv linear, cut by slice or split, by a
-          head cut, or by any views and permutes and a cut or two; or of one linear over weights stacked
-          for all layers viewed as [T, L, 2*kv])
+    k_l = linear(x, Wk_l[, bk_l])  (or x @ Wk_l with Wk_l stored [hidden, out]; or an einsum of the same;
+          or the K columns of a fused kv/qkv linear, cut by slice or split, by a head cut, or by any views
+          and permutes and a cut or two; or of one linear over weights stacked for all layers viewed as
+          [T, L, 2*kv])
           -> heads [..., H, D] -> [per-head RMSNorm(w_l, eps)] -> any layout -> RoPE(cos, sin)
 
 with D, rotary dim and style, norm form, eps and cos/sin the same across the group, plus the other

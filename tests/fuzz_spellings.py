@@ -25,6 +25,8 @@ import sys
 from typing import Optional
 
 import torch
+import torch._functorch.config
+import torch._inductor.config
 import torch.nn.functional as F
 from torch import nn
 
@@ -362,7 +364,9 @@ def _compare(draft: nn.Module, x: torch.Tensor, positions: torch.Tensor, dynamic
     """(the pass, fx_fusion's worst relative error against eager, stock Inductor's) for one draft."""
     fused_kv_pass = fx_fusion.FusedKVPass()
     errors = []
-    with torch.no_grad():
+    # no compile cache: a hit skips the pass, whose record says what fused
+    no_cache = torch._inductor.config.patch(fx_graph_cache=False)
+    with torch.no_grad(), no_cache, torch._functorch.config.patch(enable_autograd_cache=False):
         ref = draft(x, positions)
         for options in ({"post_grad_custom_post_pass": fused_kv_pass}, {}):
             torch._dynamo.reset()

@@ -36,6 +36,7 @@ def _linear_spellings():
         "weight_first": (lambda x, w: torch.einsum("oi,...i->...o", w, x) * 3.0, (3, HIDDEN)),
         "selected_batch": (lambda x, w: torch.einsum("td,nd->tn", x[1], w) - 1.0, (2, 5, HIDDEN)),
         "transposed_input": (lambda x, w: torch.einsum("dt,nd->tn", x, w) * 2.0, (HIDDEN, 5)),
+        "heads_in_the_equation": (lambda x, w: torch.einsum("btd,hkd->bthk", x, w.view(2, OUT // 2, HIDDEN)) + 1.0, (2, 5, HIDDEN)),
     }
 
 

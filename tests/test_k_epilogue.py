@@ -57,14 +57,17 @@ class Case:
     token_major: bool = False
     split_k: int | None = None
     swap_ab: bool | None = None  # None: the heuristic's choice
+    weights_transposed: bool = False  # each weight a view W.t() of a [hidden, rows] tensor (`x @ W` weights)
 
 
 def weights_and_columns(case: Case, gen, device):
     """The grouped weights and (column, block_stride, head_stride) of K head h of layer l."""
     hd = case.heads * case.head_dim
 
-    def randn(*shape):
-        return (torch.randn(*shape, generator=gen) / 6).to(case.dtype).to(device)
+    def randn(rows, hidden):
+        if case.weights_transposed:
+            return (torch.randn(hidden, rows, generator=gen) / 6).to(case.dtype).to(device).t()
+        return (torch.randn(rows, hidden, generator=gen) / 6).to(case.dtype).to(device)
 
     if case.layout == "kv":
         weights = [randn(hd, case.hidden) for _ in range(2 * case.layers)]
@@ -222,6 +225,8 @@ CASES = {
     "two_launches": Case(layers=9, tokens=2),  # 18 weights: K heads in both launches of 16 and 2
     # the weight rows as the MMA's M (tl.dot over the transposed tiles, the accumulator transposed back)
     "swap_ab": Case(swap_ab=True, tokens=17),
+    "weights_transposed": Case(weights_transposed=True, tokens=5),
+    "weights_transposed_swap_ab_split_k": Case(weights_transposed=True, swap_ab=True, split_k=3, hidden=200, tokens=17),
     "swap_ab_angles_interleaved": Case(swap_ab=True, tables="angles", interleaved=True),
     "swap_ab_float32_split_k": Case(swap_ab=True, dtype=torch.float32, split_k=3, hidden=200),
 }
