@@ -28,10 +28,11 @@ equal broadcast multiply (see rotary_angles), so Inductor fuses them into the co
 
 Why every accepted region equals the fused op:
 - the projection is an mm/addmm of x with parameters (biases one value per column), the cut of one
-  that Inductor zero-padded to aligned sizes (padded_linears: the same values), or an einsum's batch-1
-  bmm whose operands address exactly x's rows and W.T (batched_linears; put back where nothing fused
-  it), and the columns the branch reads are established by replaying its layout ops on an index tensor
-  (kv_patterns.head_layout; over a few tokens, which every layout op treats alike, probe_sizes);
+  that Inductor zero-padded to aligned sizes (padded_linears: the same values), or an einsum's product
+  (a batch-1 bmm, or the mm Inductor makes of it on a GPU) whose operands address exactly x's rows and
+  W.T (batched_linears; a bmm is put back where nothing fused it), and the columns the branch reads are
+  established by replaying its layout ops on an index tensor (kv_patterns.head_layout; over a few
+  tokens, which every layout op treats alike, probe_sizes);
 - the scatter forwarding, the per-piece ops after a token cat and the re-layout of a strided piece are
   exact identities (the same elements through the same ops);
 - the norm is matched op by op in each of its accepted forms (kv_patterns.match_rms_norm), which differ

@@ -166,7 +166,7 @@ class Projection:
 
     node: torch.fx.Node  # the mm / addmm, or the cat of several
     x2d: torch.fx.Node
-    weights: list[torch.fx.Node]  # each [layer_width, hidden] (placeholder or get_attr)
+    weights: list[torch.fx.Node]  # each [layer_width, hidden], [hidden, layer_width] if weight_transposed
     biases: list[torch.fx.Node]  # [] or one [layer_width] per weight
     weight_transposed: bool  # True when a weight is stored [hidden, out_features] (`x @ W`, or a folded constant)
     n_layers: int = 1
