@@ -2565,12 +2565,12 @@ CASES: list[Case] = [
     Case("einsum_projections_qwen3_k_norm", _HF + " math, projections as torch.einsum over flattened tokens", _p(build_einsum, k_norm=True)),
     Case(
         "einsum_hidden_first_weights",
-        "stanford-cs336/assignment1-basics layers, each weight stored [d_in, d_out] (einsum '...i,io->...o')",
+        "no public source found: the CS336 layers with each weight stored [d_in, d_out], applied by einsum '...i,io->...o'",
         _p(build_einsum, hidden_first="einsum"),
     ),
     Case(
         "matmul_hidden_first_weights",
-        "stanford-cs336/assignment1-basics layers, each weight stored [d_in, d_out] and applied as x @ W",
+        "no public source found: the CS336 layers with each weight stored [d_in, d_out], applied as x @ W",
         _p(build_einsum, hidden_first="matmul"),
     ),
     Case(
