@@ -1,5 +1,5 @@
-"""batched_linears: einsum projections (a bmm of batch 1 over views) are read as the linears they compute,
-and put back as they were where nothing fused them."""
+"""batched_linears: einsum projections (a bmm of batch 1 over views, or the mm Inductor makes of it on a
+GPU) are read as the linears they compute, and a bmm is put back as it was where nothing fused it."""
 
 from __future__ import annotations
 
