@@ -57,11 +57,14 @@ class ComputedWeight(NoMatch):
 def is_parameter_rows(node) -> bool:
     """A parameter, or rows of it seen as a view the grouped GEMM reads where it lives: a block of rows
     taken with `slice` along dim 0 (SGLang's DFlash `F.linear(x, qkv.weight[q_size : q_size + 2 * kv_size])`),
-    or leading dims flattened into rows (modded-nanogpt's `qkv_w.flatten(end_dim=1)`)."""
+    one layer's weight picked from a parameter stacked for all layers (`F.linear(x, w_all[i])`, a select
+    along dim 0), or leading dims flattened into rows (modded-nanogpt's `qkv_w.flatten(end_dim=1)`)."""
     while True:
         if is_call(node, aten.slice.Tensor) and (node.args[1] if len(node.args) > 1 else 0) == 0:
             if (node.args[4] if len(node.args) > 4 else 1) != 1:
                 return False
+        elif is_call(node, aten.select.int) and node.args[1] == 0 and isinstance(node.args[2], int):
+            pass
         elif is_call(node, *RESHAPES):
             source = val(node.args[0])
             if source.shape[-1:] != val(node).shape[-1:] or not source.is_contiguous():

@@ -2304,6 +2304,37 @@ def build_einsum(dtype, k_norm=False, hidden_first=""):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# 42. Every layer's weights in one parameter stacked along a leading layer axis, [L, out, hidden] (as vLLM
+# stores its MoE experts, [E, N, K], and reads one per expert as w[i] in its torch reference), each layer's
+# linear over its entry w_k[i]; the K norm weights likewise [L, head_dim], read as norm_w[i].
+
+
+class LayerStackedParameters(nn.Module):
+    def __init__(self):
+        super().__init__()
+        width = KV_HEADS * HEAD_DIM
+        self.w_k = nn.Parameter(torch.randn(N_LAYERS, width, HIDDEN) * HIDDEN**-0.5)
+        self.w_v = nn.Parameter(torch.randn(N_LAYERS, width, HIDDEN) * HIDDEN**-0.5)
+        self.k_norm_weight = nn.Parameter(torch.randn(N_LAYERS, HEAD_DIM) * 0.2 + 1.0)
+
+    def forward(self, x, cos, sin):
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        outs = []
+        for i in range(N_LAYERS):
+            k = F.linear(x, self.w_k[i]).unflatten(-1, (KV_HEADS, HEAD_DIM))
+            k = F.rms_norm(k, (HEAD_DIM,), self.k_norm_weight[i], EPS)
+            outs += [k * cos + modeling_qwen3.rotate_half(k) * sin, F.linear(x, self.w_v[i])]
+        return tuple(outs)
+
+
+def build_layer_stacked_parameters(dtype):
+    torch.manual_seed(0)
+    x = _hidden()
+    cos, sin = _hf_cos_sin(_positions()[None].expand(BATCH, -1))
+    return _finish(LayerStackedParameters(), dtype, x, cos, sin)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # The corpus
 
 _p = functools.partial
@@ -2572,6 +2603,12 @@ CASES: list[Case] = [
         "matmul_hidden_first_weights",
         "no public source found: the CS336 layers with each weight stored [d_in, d_out], applied as x @ W",
         _p(build_einsum, hidden_first="matmul"),
+    ),
+    Case(
+        "layer_stacked_parameters",
+        "vllm-project/vllm's stacked-expert layout ([E, N, K] parameters, w[i] per expert in its torch "
+        "reference), one entry per layer",
+        _p(build_layer_stacked_parameters),
     ),
     Case(
         "llama4_complex_rope_weightless_norm_after",
