@@ -58,13 +58,16 @@ def is_parameter_rows(node) -> bool:
     """A parameter, or rows of it seen as a view the grouped GEMM reads where it lives: a block of rows
     taken with `slice` along dim 0 (SGLang's DFlash `F.linear(x, qkv.weight[q_size : q_size + 2 * kv_size])`),
     one layer's weight picked from a parameter stacked for all layers (`F.linear(x, w_all[i])`, a select
-    along dim 0), or leading dims flattened into rows (modded-nanogpt's `qkv_w.flatten(end_dim=1)`)."""
+    along dim 0, or `w_all.unbind(0)[i]`), or leading dims flattened into rows (modded-nanogpt's
+    `qkv_w.flatten(end_dim=1)`)."""
     while True:
         if is_call(node, aten.slice.Tensor) and (node.args[1] if len(node.args) > 1 else 0) == 0:
             if (node.args[4] if len(node.args) > 4 else 1) != 1:
                 return False
         elif is_call(node, aten.select.int) and node.args[1] == 0 and isinstance(node.args[2], int):
             pass
+        elif _unbound_along_0(node):  # `w_all.unbind(0)[i]`, the same entry
+            node = node.args[0]
         elif is_call(node, *RESHAPES):
             source = val(node.args[0])
             if source.shape[-1:] != val(node).shape[-1:] or not source.is_contiguous():
@@ -72,6 +75,14 @@ def is_parameter_rows(node) -> bool:
         else:
             return is_weight_input(node)
         node = node.args[0]
+
+
+def _unbound_along_0(node) -> bool:
+    """Is `node` one entry of an `unbind` along dim 0 (`getitem(unbind(t), i)`)?"""
+    if getattr(node, "target", None) is not operator.getitem or not isinstance(node.args[1], int):
+        return False
+    unbind = node.args[0]
+    return is_call(unbind, aten.unbind.int) and (unbind.args[1] if len(unbind.args) > 1 else unbind.kwargs.get("dim", 0)) == 0
 
 
 def _cut_from_parameter(node) -> bool:
@@ -460,10 +471,14 @@ def _is_whole_slice(node) -> bool:
 
 def _stacked_weight_row(node) -> bool:
     """Row i of norm weights stacked for all layers, `W[i]` of a `[L, D]` view of a parameter: a 1-D select
-    along dim 0 (`layer_unstack` reads a norm over all layers' K with weights `[L, 1, 1, D]` so)."""
-    if not is_call(node, aten.select.int) or node.args[1] != 0 or not isinstance(node.args[2], int):
+    along dim 0 (`layer_unstack` reads a norm over all layers' K with weights `[L, 1, 1, D]` so), or
+    `W.unbind(0)[i]`."""
+    if is_call(node, aten.select.int) and node.args[1] == 0 and isinstance(node.args[2], int):
+        source = node.args[0]
+    elif _unbound_along_0(node):
+        source = node.args[0].args[0]
+    else:
         return False
-    source = node.args[0]
     while is_call(source, *RESHAPES):
         source = source.args[0]
     return val(node).dim() == 1 and is_weight_input(source)

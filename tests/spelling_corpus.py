@@ -2306,12 +2306,13 @@ def build_einsum(dtype, k_norm=False, hidden_first=""):
 # ----------------------------------------------------------------------------------------------------------
 # 42. Every layer's weights in one parameter stacked along a leading layer axis, [L, out, hidden] (as vLLM
 # stores its MoE experts, [E, N, K], and reads one per expert as w[i] in its torch reference), each layer's
-# linear over its entry w_k[i]; the K norm weights likewise [L, head_dim], read as norm_w[i].
+# linear over its entry w_k[i] (or w_k.unbind(0)[i]); the K norm weights likewise [L, head_dim].
 
 
 class LayerStackedParameters(nn.Module):
-    def __init__(self):
+    def __init__(self, unbind: bool = False):
         super().__init__()
+        self.unbind = unbind  # each layer's entry by unbind(0)[i] rather than [i]
         width = KV_HEADS * HEAD_DIM
         self.w_k = nn.Parameter(torch.randn(N_LAYERS, width, HIDDEN) * HIDDEN**-0.5)
         self.w_v = nn.Parameter(torch.randn(N_LAYERS, width, HIDDEN) * HIDDEN**-0.5)
@@ -2319,19 +2320,21 @@ class LayerStackedParameters(nn.Module):
 
     def forward(self, x, cos, sin):
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        stacks = (self.w_k, self.w_v, self.k_norm_weight)
+        w_k, w_v, k_norm_weight = (t.unbind(0) for t in stacks) if self.unbind else stacks
         outs = []
         for i in range(N_LAYERS):
-            k = F.linear(x, self.w_k[i]).unflatten(-1, (KV_HEADS, HEAD_DIM))
-            k = F.rms_norm(k, (HEAD_DIM,), self.k_norm_weight[i], EPS)
-            outs += [k * cos + modeling_qwen3.rotate_half(k) * sin, F.linear(x, self.w_v[i])]
+            k = F.linear(x, w_k[i]).unflatten(-1, (KV_HEADS, HEAD_DIM))
+            k = F.rms_norm(k, (HEAD_DIM,), k_norm_weight[i], EPS)
+            outs += [k * cos + modeling_qwen3.rotate_half(k) * sin, F.linear(x, w_v[i])]
         return tuple(outs)
 
 
-def build_layer_stacked_parameters(dtype):
+def build_layer_stacked_parameters(dtype, unbind=False):
     torch.manual_seed(0)
     x = _hidden()
     cos, sin = _hf_cos_sin(_positions()[None].expand(BATCH, -1))
-    return _finish(LayerStackedParameters(), dtype, x, cos, sin)
+    return _finish(LayerStackedParameters(unbind), dtype, x, cos, sin)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -2610,6 +2613,7 @@ CASES: list[Case] = [
         "reference), one entry per layer",
         _p(build_layer_stacked_parameters),
     ),
+    Case("layer_stacked_parameters_unbind", "the same, each entry taken by unbind(0)[i]", _p(build_layer_stacked_parameters, unbind=True)),
     Case(
         "llama4_complex_rope_weightless_norm_after",
         _HF_MODELS + "llama4/modeling_llama4.py (the K norm after the RoPE: the RoPE fuses alone)",
