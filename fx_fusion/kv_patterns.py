@@ -1351,9 +1351,11 @@ def column_range(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int, int]
 
 def _column_slices(node: torch.fx.Node, rank: int, width: int, offset: int) -> Optional[list]:
     """(slice node, first column) for users that cut `node`'s last dim into column ranges, recursively
-    (qkv[..., q:][..., :kv]); None unless every user is such a cut."""
+    (qkv[..., q:][..., :kv]); None unless every user is such a cut (or reads only a size: `sym_size`)."""
     found = []
     for user in node.users:
+        if is_call(user, aten.sym_size.int):
+            continue
         ranges = _column_ranges(user, node, rank, width)
         if ranges is None:
             return None

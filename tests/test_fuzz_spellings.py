@@ -46,6 +46,16 @@ def test_gptj_pairs_with_a_dynamic_token_count_fuse(seed):
     assert any(record.fused_groups for record in fused_kv_pass.records), drawn
 
 
+def test_cuts_of_a_projection_whose_size_a_later_view_reads_fuse():
+    """Found by the fuzzer (seed 44007, dynamic, GPT-J pairs, a qkv linear over joined rows): the view that
+    flattens the pairs back reads the token count as `sym_size` of the qkv output, a reader of no values
+    that kept its K and V column cuts from being read (nothing fused, nothing said); it fuses now."""
+    drawn, fused_kv_pass, error, stock_error = fuzz_spellings.check(44007)
+    assert drawn["dynamic"] and drawn["specs"][0]["rope"] == "gptj", drawn
+    assert fuzz_spellings.within_tolerance(drawn, error, stock_error)
+    assert [g.n_layers for record in fused_kv_pass.records for g in record.fused_groups] == [1], drawn
+
+
 @pytest.mark.parametrize("seed", [3008, 3013, 3019])
 def test_drafts_that_also_return_the_raw_k_fuse(seed):
     """Found by the fuzzer: a layer whose raw K (the projection viewed as heads) is also returned was left
