@@ -64,10 +64,9 @@ def is_parameter_rows(node) -> bool:
         if is_call(node, aten.slice.Tensor) and (node.args[1] if len(node.args) > 1 else 0) == 0:
             if (node.args[4] if len(node.args) > 4 else 1) != 1:
                 return False
-        elif is_call(node, aten.select.int) and node.args[1] == 0 and isinstance(node.args[2], int):
-            pass
-        elif _unbound_along_0(node):  # `w_all.unbind(0)[i]`, the same entry
-            node = node.args[0]
+        elif (stacked := _stacked_entry_of(node)) is not None:
+            node = stacked
+            continue
         elif is_call(node, *RESHAPES):
             source = val(node.args[0])
             if source.shape[-1:] != val(node).shape[-1:] or not source.is_contiguous():
@@ -77,12 +76,17 @@ def is_parameter_rows(node) -> bool:
         node = node.args[0]
 
 
-def _unbound_along_0(node) -> bool:
-    """Is `node` one entry of an `unbind` along dim 0 (`getitem(unbind(t), i)`)?"""
+def _stacked_entry_of(node) -> Optional[torch.fx.Node]:
+    """t when `node` is one entry along dim 0 of t, at a constant index: `t[i]` (a select) or
+    `t.unbind(0)[i]`; else None."""
+    if is_call(node, aten.select.int) and node.args[1] == 0 and isinstance(node.args[2], int):
+        return node.args[0]
     if getattr(node, "target", None) is not operator.getitem or not isinstance(node.args[1], int):
-        return False
+        return None
     unbind = node.args[0]
-    return is_call(unbind, aten.unbind.int) and (unbind.args[1] if len(unbind.args) > 1 else unbind.kwargs.get("dim", 0)) == 0
+    if not is_call(unbind, aten.unbind.int):
+        return None
+    return unbind.args[0] if (unbind.args[1] if len(unbind.args) > 1 else unbind.kwargs.get("dim", 0)) == 0 else None
 
 
 def _cut_from_parameter(node) -> bool:
@@ -473,11 +477,8 @@ def _stacked_weight_row(node) -> bool:
     """Row i of norm weights stacked for all layers, `W[i]` of a `[L, D]` view of a parameter: a 1-D select
     along dim 0 (`layer_unstack` reads a norm over all layers' K with weights `[L, 1, 1, D]` so), or
     `W.unbind(0)[i]`."""
-    if is_call(node, aten.select.int) and node.args[1] == 0 and isinstance(node.args[2], int):
-        source = node.args[0]
-    elif _unbound_along_0(node):
-        source = node.args[0].args[0]
-    else:
+    source = _stacked_entry_of(node)
+    if source is None:
         return False
     while is_call(source, *RESHAPES):
         source = source.args[0]
